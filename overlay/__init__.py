@@ -1,0 +1,83 @@
+"""hybrid-exl3-fixes: runtime overlay for Aphrodite 0.20/0.21 (EXL3 + LoRA on Qwen3.5/3.6 hybrids).
+
+Aphrodite calls :func:`register` through the ``aphrodite.general_plugins`` entry point once in
+every process it starts (process 0, engine core, each worker, the model-inspection subprocess).
+:func:`register` never raises: aphrodite does not catch errors from a plugin's function.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+from .aphrodite.lora.layers import base_linear as _p2b
+from .aphrodite.lora.layers import utils as _p2
+from .aphrodite.model_executor.layers.quantization import exl3 as _p1
+from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
+
+__all__ = ["PATCHES", "REGISTRY", "apply_all", "undo_all", "status", "summary", "register", "DISABLE_ENV"]
+
+PATCHES: list[Patch] = [_p1.PATCH, _p2.PATCH, _p2b.PATCH]
+REGISTRY = Registry(PATCHES)
+
+
+def apply_all() -> list[Result]:
+    """Apply every patch whose probe finds the bug; idempotent. Returns one result per patch."""
+    return [REGISTRY.apply(patch) for patch in PATCHES]
+
+
+def undo_all() -> list[str]:
+    """Restore every original this process replaced, newest first; returns the undone ids."""
+    return [patch.id for patch in reversed(PATCHES) if REGISTRY.undo(patch)]
+
+
+def status() -> list[Result]:
+    """The results of this process (applying first when nothing ran yet)."""
+    if len(REGISTRY.results) < len(PATCHES):
+        apply_all()
+    return [REGISTRY.results[patch.id] for patch in PATCHES]
+
+
+def aphrodite_version() -> str | None:
+    try:
+        return importlib.metadata.version("aphrodite-engine")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            import aphrodite
+
+            return getattr(aphrodite, "__version__", "unknown")
+        except Exception:
+            return None
+
+
+def summary(results: list[Result]) -> str:
+    counts = {s: sum(r.status is s for r in results) for s in Status}
+    line = (
+        f"hybrid-exl3-fixes: applied={counts[Status.APPLIED]} upstream_fixed={counts[Status.UPSTREAM_FIXED]} "
+        f"drifted={counts[Status.DRIFTED]}"
+    )
+    extra = [f"{s.value.lower()}={counts[s]}" for s in (Status.NOT_APPLICABLE, Status.DISABLED, Status.FAILED) if counts[s]]
+    if extra:
+        line += " " + " ".join(extra)
+    version = aphrodite_version()
+    return line + (f" (aphrodite {version})" if version else " (aphrodite not installed)")
+
+
+def register() -> None:
+    """The plugin entry point: apply, log one summary line, warn for each patch not applied."""
+    try:
+        results = apply_all()
+        for result in results:
+            if result.status in (Status.DRIFTED, Status.FAILED):
+                logger.warning(
+                    "hybrid-exl3-fixes: %s %s %s: %s. The engine runs unpatched for this fix; "
+                    "report it with `hybrid-exl3-fixes status --json`.",
+                    result.patch.id, result.patch.slug, result.status.value, result.reason,
+                )
+            elif result.status is Status.UPSTREAM_FIXED:
+                logger.info("hybrid-exl3-fixes: %s %s is fixed upstream (%s); not patched.",
+                            result.patch.id, result.patch.slug, result.patch.upstream)
+        worst = any(r.status in (Status.DRIFTED, Status.FAILED) for r in results)
+        logger.log(logging.WARNING if worst else logging.INFO, "%s", summary(results))
+    except Exception:  # pragma: no cover - the last line of defence for the engine
+        logger.exception("hybrid-exl3-fixes: unexpected error; the engine runs unpatched")

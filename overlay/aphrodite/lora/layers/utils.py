@@ -1,0 +1,134 @@
+"""P2: ``_get_lora_device`` recognises EXL3 base layers, at every site that bound it by name.
+
+Why:     ``_get_lora_device`` knows ``weight``, ``weight_packed``, ``qweight`` and the MoE
+         ``w2_*`` names, not EXL3 (``suh``/``svh``/``trellis``/``mcg``/``mul1``). With P1 in
+         place, EXL3 + LoRA stops at
+         ``ValueError: Unsupported base layer: MergedColumnParallelLinear(in_features=256, ...)``
+         (seen on an H200 with aphrodite-engine 0.21.0; present in 0.20.0 too).
+How:     Wrap the original: when it raises for a layer that carries EXL3 tensors (``trellis``, or
+         ``w2_trellis``/``w13_trellis`` for EXL3 MoE), answer the device those tensors live on
+         once loaded (``Exl3Parameter.exl3_tensors``), else the current CUDA device. The function
+         is imported by name into ``lora/layers/base_linear.py`` and ``lora/layers/fused_moe.py``;
+         replacing it in ``utils`` alone changes nothing at those call sites, so all three are
+         targets, and any other aphrodite module still holding the original is replaced too.
+Upstream: https://github.com/dphnAI/sonar/pull/1712, first released in aphrodite-engine 0.22.0
+         (upstream answers the current device without looking at the tensors, and has no MoE
+         branch: docs/upstream/exl3-moe-lora-device.md).
+Retire when: the oldest supported aphrodite-engine is 0.22.0 (the probe already reports
+         UPSTREAM_FIXED there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag
+
+if TYPE_CHECKING:  # torch is imported lazily: the overlay must import where torch is absent
+    import torch
+
+UTILS = Target("aphrodite.lora.layers.utils", "_get_lora_device", params=("base_layer",))
+BINDING_SITES = (
+    Target("aphrodite.lora.layers.base_linear", "_get_lora_device", binds=UTILS.key),
+    Target("aphrodite.lora.layers.fused_moe", "_get_lora_device", binds=UTILS.key),
+)
+
+# Placeholders Exl3LinearMethod / Exl3MoEMethod register on the layer (quantization/exl3.py).
+EXL3_PLACEHOLDERS = ("trellis", "w2_trellis", "w13_trellis")
+
+
+def exl3_placeholder(layer: Any) -> Any | None:
+    """The EXL3 trellis placeholder of a linear or MoE layer, or None for a non-EXL3 layer."""
+    for name in EXL3_PLACEHOLDERS:
+        param = getattr(layer, name, None)
+        if param is not None:
+            return param
+    return None
+
+
+def exl3_device(layer: Any) -> torch.device | None:
+    """Where an EXL3 layer's tensors live; None when the layer is not EXL3."""
+    import torch
+
+    param = exl3_placeholder(layer)
+    if param is None:
+        return None
+    for tensor in getattr(param, "exl3_tensors", {}).values():
+        return tensor.device
+    # Not loaded yet: process_weights_after_loading moves them to the current CUDA device.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return param.device if isinstance(param, torch.Tensor) else torch.device("cpu")
+
+
+def fake_exl3_layer(device: str = "cpu") -> torch.nn.Module:
+    """A loaded EXL3 base layer as the LoRA code sees it: placeholders with one fused shard.
+
+    Built from plain Parameters shaped like ``Exl3Parameter`` (an empty tensor plus an
+    ``exl3_tensors`` dict) rather than the real class, whose constructor asks for the
+    tensor-parallel group: plugins run in workers before that group exists.
+    """
+    import torch
+
+    layer = torch.nn.Module()
+    layer.prefix = "language_model.model.layers.0.linear_attn.in_proj_qkv"
+    for name in ("suh", "svh", "trellis", "mcg", "mul1"):
+        param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        param.exl3_tensors = {}
+        layer.register_parameter(name, param)
+    layer.trellis.exl3_tensors[(0, 1, 2)] = torch.zeros(16, 64, 48, dtype=torch.int16, device=device)
+    return layer
+
+
+def is_unsupported_layer_error(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and str(exc).startswith("Unsupported base layer")
+
+
+def probe_lora_device_for_exl3(live: dict[str, Live]) -> bool:
+    """True when the live ``_get_lora_device`` (at every binding site) rejects an EXL3 layer.
+
+    Any other outcome means the layer was recognised: 0.22+ answers the current accelerator,
+    which raises "no accelerator" on a CPU-only machine after recognising the layer.
+    """
+    layer = fake_exl3_layer()
+    answers = {}
+    for key, item in live.items():
+        try:
+            item.value(layer)
+            answers[key] = False
+        except Exception as exc:  # noqa: BLE001 - classified below
+            answers[key] = is_unsupported_layer_error(exc)
+    if len(set(answers.values())) > 1:
+        raise Drift(f"binding sites disagree about EXL3 layers: {answers}")
+    return next(iter(answers.values()))
+
+
+def build(live: dict[str, Live]) -> dict[str, Any]:
+    original = live[UTILS.key].function
+
+    def _get_lora_device(base_layer: torch.nn.Module) -> torch.device:
+        try:
+            return original(base_layer)
+        except ValueError as exc:
+            device = exl3_device(base_layer) if is_unsupported_layer_error(exc) else None
+            if device is None:
+                raise
+            return device
+
+    _get_lora_device.__wrapped__ = original
+    _get_lora_device.__doc__ = original.__doc__
+    return {UTILS.key: tag("P2", _get_lora_device)}
+
+
+PATCH = Patch(
+    id="P2",
+    slug="lora-device-exl3",
+    title="LoRA device for EXL3 base layers (utils, base_linear, fused_moe)",
+    upstream="https://github.com/dphnAI/sonar/pull/1712",
+    fixed_in="0.22.0",
+    retire_when="the oldest supported aphrodite-engine is 0.22.0",
+    targets=(UTILS, *BINDING_SITES),
+    probe=probe_lora_device_for_exl3,
+    build=build,
+    scan_stale_copies_of=(UTILS.key,),
+)

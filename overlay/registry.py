@@ -1,0 +1,311 @@
+"""The patch registry: one record per patch, one way to apply, undo and report them.
+
+A patch is applied only when its behavioural probe, run on the live aphrodite modules, says the
+installed code still has the bug. No version string is consulted (vllm-ascend's weak spot: exact
+version gates broke on ``+local`` and dev builds). Every replacement keeps the raw original from
+the owner's ``__dict__`` (so a ``staticmethod`` stays a ``staticmethod``, as in pytest's
+MonkeyPatch) on one undo stack, and every replacement is tagged so a second ``apply`` changes
+nothing (as gevent.monkey's ``saved``).
+
+Statuses:
+  APPLIED         the probe found the bug, the replacement is installed and the probe now passes.
+  UPSTREAM_FIXED  the probe says the installed code is already right: nothing is replaced.
+  NOT_APPLICABLE  aphrodite is not installed (or the feature is absent): nothing to do.
+  DRIFTED         a target is missing, or its shape differs from what the patch was written
+                  against: nothing is replaced, a WARNING names what differed, the engine runs on.
+  DISABLED        switched off by HYBRID_EXL3_FIXES_DISABLE.
+  FAILED          applying raised, or the probe still saw the bug afterwards: rolled back.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# A child of aphrodite's logger, so the lines reach the handler aphrodite configures in every
+# process it starts; without aphrodite, Python's last-resort handler still prints WARNINGs.
+logger = logging.getLogger("aphrodite.hybrid_exl3_fixes")
+
+DISABLE_ENV = "HYBRID_EXL3_FIXES_DISABLE"
+MARKER = "__hybrid_exl3_fixes_patch__"
+
+
+class Status(str, enum.Enum):
+    APPLIED = "APPLIED"
+    UPSTREAM_FIXED = "UPSTREAM_FIXED"
+    NOT_APPLICABLE = "NOT_APPLICABLE"
+    DRIFTED = "DRIFTED"
+    DISABLED = "DISABLED"
+    FAILED = "FAILED"
+
+
+class Drift(Exception):
+    """A target is not what the patch was written against; the message says what differs."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute the patch replaces.
+
+    ``binds`` names the defining target when this module holds a ``from x import y`` copy of
+    it: such a copy must be the very same object, or the module has drifted.
+    ``params`` is the parameter list the replacement was written against (``None``: a
+    property or non-callable, checked by kind only).
+    """
+
+    module: str
+    qualname: str
+    params: tuple[str, ...] | None = None
+    binds: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+@dataclass
+class Live:
+    """A resolved target: where it lives and what is there now."""
+
+    target: Target
+    owner: Any
+    name: str
+    raw: Any  # as stored in the owner's __dict__ (staticmethod, property, function)
+    value: Any  # as attribute access returns it
+
+    @property
+    def function(self) -> Any:
+        raw = self.raw
+        if isinstance(raw, (staticmethod, classmethod)):
+            return raw.__func__
+        if isinstance(raw, property):
+            return raw.fget
+        return raw
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    slug: str
+    title: str
+    upstream: str  # PR link, or where the report lives
+    fixed_in: str | None  # first aphrodite release with the fix upstream
+    retire_when: str
+    targets: tuple[Target, ...]
+    # probe(live) -> True when the installed code has the bug; raise Drift when the answer
+    # is neither the buggy nor the fixed one.
+    probe: Callable[[dict[str, Live]], bool]
+    # build(live) -> {target key: new raw object}; only called when the probe found the bug.
+    build: Callable[[dict[str, Live]], dict[str, Any]]
+    # A stale ``from x import y`` copy may sit in modules nobody listed (plugins, newer
+    # aphrodite files): replace those too when they hold the exact original function.
+    scan_stale_copies_of: tuple[str, ...] = ()
+
+
+@dataclass
+class Result:
+    patch: Patch
+    status: Status
+    reason: str
+    replaced: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.patch.id,
+            "slug": self.patch.slug,
+            "status": self.status.value,
+            "upstream": self.patch.upstream,
+            "fixed_in": self.patch.fixed_in,
+            "reason": self.reason,
+            "replaced": list(self.replaced),
+        }
+
+
+@dataclass
+class _Saved:
+    owner: Any
+    name: str
+    raw: Any
+    had_own: bool  # the attribute was in the owner's own __dict__ (else it was inherited)
+
+
+class Registry:
+    def __init__(self, patches: list[Patch]):
+        self.patches = patches
+        self.results: dict[str, Result] = {}
+        self._undo: dict[str, list[_Saved]] = {}
+
+    # -- switches -------------------------------------------------------------------------
+    @staticmethod
+    def disabled_ids() -> set[str] | None:
+        """``None``: nothing disabled; an empty set means all (``=1``/``all``)."""
+        raw = os.environ.get(DISABLE_ENV, "").strip()
+        if not raw or raw.lower() in ("0", "false", "no"):
+            return None
+        if raw.lower() in ("1", "true", "yes", "all"):
+            return set()
+        return {part.strip().upper() for part in raw.split(",") if part.strip()}
+
+    def _is_disabled(self, patch: Patch) -> bool:
+        ids = self.disabled_ids()
+        return ids is not None and (not ids or patch.id.upper() in ids or patch.slug.upper() in ids)
+
+    # -- resolution -----------------------------------------------------------------------
+    @staticmethod
+    def _resolve(target: Target) -> Live:
+        try:
+            obj: Any = importlib.import_module(target.module)
+        except ImportError as exc:
+            raise Drift(f"cannot import {target.module}: {exc}") from exc
+        except Exception as exc:  # a module that raises on import is drift too, never a crash
+            raise Drift(f"importing {target.module} raised {type(exc).__name__}: {exc}") from exc
+        parts = target.qualname.split(".")
+        for part in parts[:-1]:
+            if not hasattr(obj, part):
+                raise Drift(f"{target.module} has no {part!r} (looked for {target.qualname})")
+            obj = getattr(obj, part)
+        name = parts[-1]
+        if not hasattr(obj, name):
+            raise Drift(f"{target.module} has no {target.qualname}")
+        raw = None
+        for klass in inspect.getmro(obj) if inspect.isclass(obj) else (obj,):
+            if name in vars(klass):
+                raw = vars(klass)[name]
+                break
+        return Live(target, obj, name, raw, getattr(obj, name))
+
+    @staticmethod
+    def _check_shape(live: dict[str, Live], patch: Patch) -> None:
+        for target in patch.targets:
+            item = live[target.key]
+            if target.binds is not None:
+                origin = live[target.binds]
+                if item.value is not origin.value:
+                    raise Drift(
+                        f"{target.key} is not the object defined at {target.binds} "
+                        "(the module no longer imports it by name, or something else replaced it)"
+                    )
+                continue
+            if target.params is None:
+                if not isinstance(item.raw, property):
+                    raise Drift(f"{target.key} is a {type(item.raw).__name__}, expected a property")
+                continue
+            try:
+                params = tuple(inspect.signature(item.function).parameters)
+            except (TypeError, ValueError) as exc:
+                raise Drift(f"{target.key} has no readable signature: {exc}") from exc
+            if params != target.params:
+                raise Drift(f"{target.key} takes ({', '.join(params)}), the patch was written for ({', '.join(target.params)})")
+            if isinstance(item.raw, staticmethod) != ("." in target.qualname and "self" not in params):
+                raise Drift(f"{target.key} changed kind: now a {type(item.raw).__name__}")
+
+    @staticmethod
+    def _tagged(raw: Any) -> str | None:
+        fn = raw
+        if isinstance(raw, (staticmethod, classmethod)):
+            fn = raw.__func__
+        elif isinstance(raw, property):
+            fn = raw.fget
+        return getattr(fn, MARKER, None)
+
+    # -- apply / undo ---------------------------------------------------------------------
+    def apply(self, patch: Patch) -> Result:
+        done = self.results.get(patch.id)
+        if done is not None and done.status is Status.APPLIED:
+            return done
+        result = self._apply(patch)
+        self.results[patch.id] = result
+        return result
+
+    def _apply(self, patch: Patch) -> Result:
+        if self._is_disabled(patch):
+            return Result(patch, Status.DISABLED, f"switched off by {DISABLE_ENV}")
+        if importlib.util.find_spec("aphrodite") is None:
+            return Result(patch, Status.NOT_APPLICABLE, "aphrodite is not installed")
+        try:
+            live = {t.key: self._resolve(t) for t in patch.targets}
+        except Drift as exc:
+            return Result(patch, Status.DRIFTED, str(exc))
+        if all(self._tagged(item.raw) == patch.id for item in live.values() if item.target.binds is None):
+            return Result(patch, Status.APPLIED, "already patched in this process")
+        try:
+            has_bug = patch.probe(live)
+        except Drift as exc:
+            return Result(patch, Status.DRIFTED, f"probe: {exc}")
+        except Exception as exc:
+            return Result(patch, Status.DRIFTED, f"probe raised {type(exc).__name__}: {exc}")
+        if not has_bug:
+            return Result(patch, Status.UPSTREAM_FIXED, "the installed code already behaves correctly; nothing replaced")
+        try:
+            self._check_shape(live, patch)
+        except Drift as exc:
+            return Result(patch, Status.DRIFTED, str(exc))
+
+        saved: list[_Saved] = []
+        replaced: list[str] = []
+        try:
+            new = patch.build(live)
+            for target in patch.targets:
+                item = live[target.key]
+                if target.binds is not None:
+                    replacement = new[target.binds]
+                    replacement = replacement.__func__ if isinstance(replacement, staticmethod) else replacement
+                else:
+                    replacement = new[target.key]
+                saved.append(self._set(item.owner, item.name, replacement))
+                replaced.append(target.key)
+            for key in patch.scan_stale_copies_of:
+                original = live[key].value
+                fresh = new[key]
+                for mod_name, module in list(sys.modules.items()):
+                    if not mod_name.startswith("aphrodite") or module is None:
+                        continue
+                    for attr, value in list(vars(module).items()):
+                        if value is original:
+                            saved.append(self._set(module, attr, fresh))
+                            replaced.append(f"{mod_name}.{attr} (stale copy)")
+            still_buggy = patch.probe({k: self._resolve(v.target) for k, v in live.items()})
+        except Exception as exc:
+            self._restore(saved)
+            return Result(patch, Status.FAILED, f"apply raised {type(exc).__name__}: {exc}; rolled back")
+        if still_buggy:
+            self._restore(saved)
+            return Result(patch, Status.FAILED, "the probe still sees the bug after patching; rolled back")
+        self._undo[patch.id] = saved
+        return Result(patch, Status.APPLIED, f"replaced {len(replaced)} attribute(s)", replaced)
+
+    @staticmethod
+    def _set(owner: Any, name: str, value: Any) -> _Saved:
+        own = vars(owner)
+        saved = _Saved(owner, name, own.get(name), name in own)
+        setattr(owner, name, value)
+        return saved
+
+    @staticmethod
+    def _restore(saved: list[_Saved]) -> None:
+        for item in reversed(saved):
+            if item.had_own:
+                setattr(item.owner, item.name, item.raw)
+            else:
+                delattr(item.owner, item.name)
+
+    def undo(self, patch: Patch) -> bool:
+        saved = self._undo.pop(patch.id, None)
+        if saved is None:
+            return False
+        self._restore(saved)
+        self.results.pop(patch.id, None)
+        return True
+
+
+def tag(patch_id: str, fn: Callable) -> Callable:
+    """Mark a replacement function so a later apply recognises it as ours."""
+    setattr(fn, MARKER, patch_id)
+    return fn
