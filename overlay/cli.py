@@ -1,0 +1,84 @@
+"""hybrid-exl3-fixes command line: ``status`` (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PLUGIN_NAME = "hybrid_exl3_fixes"
+EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED = 0, 1, 2
+
+
+def _plugin_gate() -> str | None:
+    """Why aphrodite would not load this plugin, or None when it would."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="aphrodite.general_plugins")}
+    if PLUGIN_NAME not in names:
+        return "the aphrodite.general_plugins entry point is not installed (pip install hybrid-exl3-fixes)"
+    allowed = os.environ.get("APHRODITE_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+        return f"APHRODITE_PLUGINS={allowed!r} does not name {PLUGIN_NAME}, so aphrodite skips it"
+    return None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import hybrid_exl3_fixes as overlay
+
+    gate = _plugin_gate()
+    loaded_by_aphrodite = False
+    try:
+        from aphrodite.plugins import load_general_plugins
+    except ImportError:
+        load_general_plugins = None
+    except Exception as exc:  # an aphrodite that fails to import is reported, not raised
+        print(f"hybrid-exl3-fixes: importing aphrodite.plugins failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        load_general_plugins = None
+    if load_general_plugins is not None and gate is None:
+        # The real path: aphrodite's own loader finds the entry point and calls register().
+        load_general_plugins()
+        loaded_by_aphrodite = len(overlay.REGISTRY.results) == len(overlay.PATCHES)
+    results = overlay.status()  # applies here when aphrodite did not (dry runs still probe)
+
+    drifted = any(r.status.value in ("DRIFTED", "FAILED") for r in results)
+    not_loaded = load_general_plugins is not None and gate is not None
+    if args.json:
+        print(json.dumps({
+            "aphrodite": overlay.aphrodite_version(),
+            "loaded_by_aphrodite": loaded_by_aphrodite,
+            "plugin_gate": gate,
+            "summary": overlay.summary(results),
+            "patches": [r.as_dict() for r in results],
+        }, indent=2))
+    else:
+        rows = [("patch", "status", "upstream", "fixed in", "reason")]
+        rows += [(f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
+                 for r in results]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        for row in rows:
+            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
+        print(overlay.summary(results))
+        if not_loaded:
+            print(f"WARNING: aphrodite will not load the overlay: {gate}. The table shows what it would do.")
+        print(f"Off switch: {overlay.DISABLE_ENV}=1 (all) or ={','.join(p.id for p in overlay.PATCHES)} (some).")
+    if drifted:
+        return EXIT_DRIFTED
+    return EXIT_NOT_LOADED if not_loaded else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="apply through aphrodite's plugin loader and print each patch's status",
+                            description="Exit 0: every patch applied, fixed upstream or not applicable; "
+                                        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin.")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
