@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Unpack the real aphrodite-engine wheels, one folder per version, without their compiled
+# extensions (they need a GPU and are 200+ MB): .cache/aphrodite/<version>/{aphrodite,*.dist-info}.
+# Tests pick a version with PYTHONPATH=.cache/aphrodite/<version>; the dist-info makes
+# importlib.metadata.version("aphrodite-engine") answer as for a pip install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSIONS="${*:-0.20.0 0.21.0 0.24.1}"
+mkdir -p .cache/wheels .cache/aphrodite
+for v in $VERSIONS; do
+  dest=.cache/aphrodite/$v
+  [ -f "$dest/.ok" ] && continue
+  ls .cache/wheels/aphrodite_engine-"$v"-*.whl >/dev/null 2>&1 ||
+    python -m pip download -q --no-deps -d .cache/wheels "aphrodite-engine==$v"
+  rm -rf "$dest"; mkdir -p "$dest"
+  python - "$dest" .cache/wheels/aphrodite_engine-"$v"-*.whl <<'PY'
+import sys, zipfile
+dest, whl = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    z.extractall(dest, [n for n in z.namelist() if not n.endswith(".so")])
+PY
+  touch "$dest/.ok"
+  echo "aphrodite-engine $v unpacked into $dest"
+done

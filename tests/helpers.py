@@ -1,0 +1,60 @@
+"""Shared helpers, imported as `helpers` (tests/conftest.py puts tests/ on sys.path).
+
+Tests run against whichever real aphrodite-engine is importable
+(ci/test.sh runs the suite once per version with PYTHONPATH=.cache/aphrodite/<version>, and once
+without aphrodite). Expectations use the version; the overlay itself never does."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_APHRODITE = importlib.util.find_spec("aphrodite") is not None
+try:
+    APHRODITE_VERSION = importlib.metadata.version("aphrodite-engine") if HAS_APHRODITE else None
+except importlib.metadata.PackageNotFoundError:
+    APHRODITE_VERSION = "unknown"
+# Measured in FACTS.md / read from the wheels: which releases carry bugs 1 and 2.
+HAS_UPSTREAM_BUGS = APHRODITE_VERSION in ("0.20.0", "0.21.0")
+
+needs_aphrodite = pytest.mark.skipif(not HAS_APHRODITE, reason="aphrodite-engine not importable in this run (ci/test.sh runs each version)")
+needs_buggy = pytest.mark.skipif(not HAS_UPSTREAM_BUGS, reason=f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)")
+needs_fixed = pytest.mark.skipif(not HAS_APHRODITE or HAS_UPSTREAM_BUGS, reason=f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes")
+
+
+def aphrodite_site() -> Path:
+    """The folder that holds the importable aphrodite package and its dist-info."""
+    import aphrodite
+
+    return Path(aphrodite.__file__).resolve().parents[1]
+
+
+def subprocess_env(pythonpath: Path | str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYBRID_EXL3_FIXES_DISABLE", "APHRODITE_PLUGINS")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    env.update(extra)
+    return env
+
+
+def run_status(pythonpath: Path | str | None, **extra: str) -> tuple[int, dict]:
+    """``hybrid-exl3-fixes status --json`` in a fresh process; returns (exit code, parsed JSON)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_exl3_fixes.cli", "status", "--json"],
+        env=subprocess_env(pythonpath, **extra), capture_output=True, text=True, timeout=300,
+    )
+    start = proc.stdout.find("{\n")
+    assert start >= 0, f"no JSON in status output (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.returncode, json.loads(proc.stdout[start:])
+
+
+def by_id(report: dict) -> dict[str, dict]:
+    return {p["id"]: p for p in report["patches"]}

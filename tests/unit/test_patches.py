@@ -1,0 +1,264 @@
+"""P1, P2, P2b against the real aphrodite-engine modules (CPU).
+
+On 0.20.0/0.21.0 each test first reproduces the upstream failure on the unpatched code, then
+shows the overlay removes it; on 0.24.1 the overlay must leave every fixed target untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import APHRODITE_VERSION, needs_aphrodite, needs_buggy, needs_fixed
+
+pytestmark = needs_aphrodite
+
+GDN_PREFIX = "language_model.model.layers.0.linear_attn.in_proj_qkv"
+# Bug 1's message as seen on the H200 (FACTS.md), for the shard ids [0, 1, 2].
+BUG1_MESSAGE = (
+    f"Missing EXL3 tensors for {GDN_PREFIX}: suh[0], suh[1], suh[2], svh[0], svh[1], svh[2], "
+    "trellis[0], trellis[1], trellis[2]"
+)
+
+
+def exl3_param(exl3):
+    """The real Exl3Parameter without its constructor, which asks for the TP group."""
+    param = exl3.Exl3Parameter.__new__(exl3.Exl3Parameter, weight_loader=exl3._exl3_weight_loader)
+    param.exl3_tensors = {}
+    return param
+
+
+def gdn_in_proj_qkv(exl3, method):
+    """A LoRA-path GDN in_proj_qkv as create_weights + qwen3_5.load_weights leave it (TP=1).
+
+    create_weights itself refuses to run without CUDA, so its bookkeeping is replayed here with
+    the method's own _shard_ids_for_layer; the tensors are loaded through the real weight loader
+    with the shard id qwen3_5.py uses under enable_lora: (0, 1, 2).
+    """
+    layer = torch.nn.Module()
+    layer.prefix = GDN_PREFIX
+    sizes = [256, 256, 512]  # key_dim, key_dim, value_dim
+    layer.exl3_tp_rank, layer.exl3_tp_size = 0, 1
+    layer.exl3_parallel_mode = "column"
+    layer.input_size_per_partition = 256
+    layer.exl3_shard_ids = method._shard_ids_for_layer(layer, sizes)
+    for name in ("suh", "svh", "trellis", "mcg", "mul1"):
+        layer.register_parameter(name, exl3_param(exl3))
+    shapes = {"suh": (256,), "svh": (1024,), "trellis": (16, 64, 64)}
+    for name, shape in shapes.items():
+        exl3._exl3_weight_loader(getattr(layer, name), torch.zeros(shape), (0, 1, 2))
+    return layer
+
+
+def exl3_base_layer():
+    """A loaded EXL3 linear as the LoRA wrapper sees it (fake input: placeholders + one shard)."""
+    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import fake_exl3_layer
+
+    layer = fake_exl3_layer()
+    layer.input_size, layer.tp_size, layer.tp_rank = 256, 1, 0
+    return layer
+
+
+# -- P1 -------------------------------------------------------------------------------------
+
+@needs_buggy
+def test_p1_unpatched_fails_with_upstream_error(overlay):
+    import aphrodite.model_executor.layers.quantization.exl3 as exl3
+
+    method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))
+    layer = gdn_in_proj_qkv(exl3, method)
+    assert layer.exl3_shard_ids == [0, 1, 2]
+    with pytest.raises(ValueError) as err:
+        method.process_weights_after_loading(layer)
+    assert str(err.value) == BUG1_MESSAGE
+
+
+@needs_buggy
+def test_p1_patched_loads_the_fused_shard(overlay):
+    import aphrodite.model_executor.layers.quantization.exl3 as exl3
+
+    results = {r.patch.id: r for r in overlay.apply_all()}
+    assert results["P1"].status.value == "APPLIED"
+    method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))
+    layer = gdn_in_proj_qkv(exl3, method)
+    assert layer.exl3_shard_ids == [(0, 1, 2)]
+    # Past the missing-tensor check; without CUDA the next step (moving shards to the current
+    # CUDA device) is the first thing that may fail, and it is not bug 1.
+    try:
+        method.process_weights_after_loading(layer)
+    except (AssertionError, RuntimeError) as exc:
+        assert not torch.cuda.is_available() and "Missing EXL3 tensors" not in str(exc)
+    # Other projections keep their upstream answers.
+    for prefix, sizes, expected in [
+        ("model.layers.3.self_attn.qkv_proj", [512, 256, 256], ["q", "k", "v"]),
+        ("model.layers.0.mlp.gate_up_proj", [512, 512], [0, 1]),
+        ("model.layers.0.linear_attn.in_proj_qkvz", [256, 256, 512, 512], [(0, 1, 2), 3]),
+        ("model.layers.0.linear_attn.in_proj_qkv", [1024], [None]),
+        ("model.layers.0.linear_attn.out_proj", [256, 256], [0, 1]),
+    ]:
+        layer = torch.nn.Module()
+        layer.prefix = prefix
+        assert method._shard_ids_for_layer(layer, sizes) == expected, prefix
+
+
+@needs_buggy
+def test_p1_patches_the_class_so_existing_instances_see_it(overlay):
+    import aphrodite.model_executor.layers.quantization.exl3 as exl3
+
+    before = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))  # made before the plugin ran
+    overlay.apply_all()
+    layer = torch.nn.Module()
+    layer.prefix = GDN_PREFIX
+    assert before._shard_ids_for_layer(layer, [256, 256, 512]) == [(0, 1, 2)]
+    assert isinstance(vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], staticmethod)
+
+
+# -- P2 / P2b -------------------------------------------------------------------------------
+
+@needs_buggy
+def test_p2_unpatched_fails_with_upstream_error(overlay):
+    from aphrodite.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    with pytest.raises(ValueError, match=r"^Unsupported base layer: "):
+        BaseLinearLayerWithLoRA(exl3_base_layer())
+
+
+@needs_buggy
+def test_p2_patched_lora_wrapper_takes_the_exl3_device(overlay):
+    from aphrodite.lora.layers import base_linear, fused_moe, utils
+
+    overlay.apply_all()
+    layer = exl3_base_layer()
+    wrapper = base_linear.BaseLinearLayerWithLoRA(layer)
+    assert wrapper.device == layer.trellis.exl3_tensors[(0, 1, 2)].device
+    # every binding site answers, the MoE one for an EXL3 MoE layer too
+    moe = torch.nn.Module()
+    moe.w2_trellis = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    moe.w2_trellis.exl3_tensors = {(0, "w2"): torch.zeros(2)}
+    for site in (utils, base_linear, fused_moe):
+        assert site._get_lora_device(layer) == torch.device("cpu")
+        assert site._get_lora_device(moe) == torch.device("cpu")
+    # non-EXL3 layers keep the upstream answers and errors
+    dense = torch.nn.Linear(4, 4)
+    assert utils._get_lora_device(dense) == dense.weight.device
+    with pytest.raises(ValueError, match="Unsupported base layer"):
+        utils._get_lora_device(torch.nn.Module())
+
+
+@needs_buggy
+def test_p2b_weight_property(overlay):
+    from aphrodite.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    overlay.apply_all()
+    layer = exl3_base_layer()
+    wrapper = BaseLinearLayerWithLoRA(layer)
+    assert wrapper.weight is layer.trellis
+    wrapper_dense = BaseLinearLayerWithLoRA(_dense_base())
+    assert wrapper_dense.weight is wrapper_dense.base_layer.weight
+
+
+def _dense_base():
+    layer = torch.nn.Linear(4, 4)
+    layer.input_size, layer.tp_size, layer.tp_rank = 4, 1, 0
+    return layer
+
+
+# -- registry behaviour on the real modules -------------------------------------------------
+
+@needs_buggy
+def test_probes_report_the_bugs_and_apply_clears_them(overlay):
+    results = overlay.apply_all()
+    assert [(r.patch.id, r.status.value) for r in results] == [("P1", "APPLIED"), ("P2", "APPLIED"), ("P2b", "APPLIED")]
+    # the registry re-probes after patching; here the probes are asked directly as well
+    from hybrid_exl3_fixes.registry import Registry
+
+    for result in results:
+        live = {t.key: Registry._resolve(t) for t in result.patch.targets}
+        assert result.patch.probe(live) is False
+
+
+@needs_buggy
+def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
+    from aphrodite.lora.layers import base_linear, fused_moe, utils
+    from aphrodite.model_executor.layers.quantization import exl3
+
+    originals = {
+        "shard_ids": vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"],
+        "utils": utils._get_lora_device,
+        "base_linear": base_linear._get_lora_device,
+        "fused_moe": fused_moe._get_lora_device,
+        "weight": vars(base_linear.BaseLinearLayerWithLoRA)["weight"],
+    }
+
+    def current():
+        return {
+            "shard_ids": vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"],
+            "utils": utils._get_lora_device,
+            "base_linear": base_linear._get_lora_device,
+            "fused_moe": fused_moe._get_lora_device,
+            "weight": vars(base_linear.BaseLinearLayerWithLoRA)["weight"],
+        }
+
+    overlay.apply_all()
+    first = current()
+    assert all(first[k] is not originals[k] for k in originals)
+    assert first["utils"] is first["base_linear"] is first["fused_moe"]
+    overlay.apply_all()
+    assert current() == first and all(current()[k] is first[k] for k in first)
+    # a fresh registry in the same process (module reloaded, state lost) sees the tags
+    from hybrid_exl3_fixes.registry import Registry
+
+    fresh = Registry(overlay.PATCHES)
+    assert {fresh.apply(p).reason for p in overlay.PATCHES} == {"already patched in this process"}
+    assert all(current()[k] is first[k] for k in first)
+
+    assert overlay.undo_all() == ["P2b", "P2", "P1"]
+    assert all(current()[k] is originals[k] for k in originals)
+    assert overlay.undo_all() == []
+
+
+@needs_buggy
+def test_disable_switch(overlay, monkeypatch):
+    from aphrodite.model_executor.layers.quantization import exl3
+
+    original = vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"]
+    monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P1")
+    results = {r.patch.id: r.status.value for r in overlay.apply_all()}
+    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED"}
+    assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
+    overlay.undo_all()
+    overlay.REGISTRY.results.clear()
+    monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "1")
+    assert {r.status.value for r in overlay.apply_all()} == {"DISABLED"}
+
+
+@needs_fixed
+def test_fixed_release_is_left_alone(overlay):
+    from aphrodite.lora.layers import base_linear, fused_moe, utils
+    from aphrodite.model_executor.layers.quantization import exl3
+
+    before = (vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], utils._get_lora_device,
+              base_linear._get_lora_device, fused_moe._get_lora_device)
+    results = {r.patch.id: r for r in overlay.apply_all()}
+    assert results["P1"].status.value == "UPSTREAM_FIXED", results["P1"].reason
+    assert results["P2"].status.value == "UPSTREAM_FIXED", results["P2"].reason
+    assert results["P1"].replaced == [] and results["P2"].replaced == []
+    after = (vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], utils._get_lora_device,
+             base_linear._get_lora_device, fused_moe._get_lora_device)
+    assert all(a is b for a, b in zip(before, after))
+    assert "hybrid-exl3-fixes: applied=1 upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
+    assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
+
+
+@needs_fixed
+def test_fixed_release_still_rejects_exl3_moe_for_lora():
+    """Evidence for docs/upstream/exl3-moe-lora-device.md: #1712 checks ``trellis`` only, while
+    Exl3MoEMethod registers ``w13_trellis``/``w2_trellis``. When this starts failing, upstream
+    fixed it: update the write-up."""
+    from aphrodite.lora.layers.utils import _get_lora_device
+
+    moe = torch.nn.Module()
+    moe.w2_trellis = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    moe.w2_trellis.exl3_tensors = {(0, "w2"): torch.zeros(2)}
+    with pytest.raises(ValueError, match="^Unsupported base layer"):
+        _get_lora_device(moe)
