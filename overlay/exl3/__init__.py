@@ -1,0 +1,1 @@
+"""The EXL3 format: a reference codec (codec.py) and a tiny-checkpoint writer (tiny.py)."""
