@@ -13,10 +13,11 @@ import os
 import pytest
 
 UPSTREAM_FIXED: list[str] = []
+OVERLAY_MODE = os.environ.get("HYBRID_EXL3_FIXES_UPSTREAM_MODE", "overlay") == "overlay"
 
 if importlib.util.find_spec("aphrodite") is None:
     collect_ignore_glob = ["tests/*"]  # nothing to test without aphrodite (the unit suite says so)
-elif os.environ.get("HYBRID_EXL3_FIXES_UPSTREAM_MODE", "overlay") == "overlay":
+elif OVERLAY_MODE:
     import hybrid_exl3_fixes
 
     UPSTREAM_FIXED = [f"{r.patch.id} ({r.patch.upstream})" for r in hybrid_exl3_fixes.apply_all()
@@ -31,3 +32,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/upstream/" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _overlay_applied():
+    """(Re-)apply before each test: the unit suite in the same session undoes the overlay after
+    each of its tests. apply_all() is idempotent."""
+    if OVERLAY_MODE and importlib.util.find_spec("aphrodite") is not None:
+        import hybrid_exl3_fixes
+
+        hybrid_exl3_fixes.apply_all()
+    yield

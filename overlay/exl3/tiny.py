@@ -1,0 +1,308 @@
+"""Tiny synthetic EXL3 Qwen3.5 hybrid checkpoints, their exact dense twins and LoRA adapters.
+
+No weights are downloaded: every EXL3 tensor is a random (always valid) trellis, and the dense
+twin holds the weights the reference codec decodes from it, so a correct EXL3 implementation
+must reproduce the dense model's outputs up to fp16 arithmetic.
+
+Layout written under ``DIR``::
+
+    exl3/       config.json (+quantization_config), quantization_config.json (tensor_storage),
+                model.safetensors, tokenizer files           -> aphrodite, quantization="exl3"
+    dense/      the same model with the decoded weights (float32), same tokenizer -> HF reference
+    lora-a/, lora-b/   PEFT LoRA adapters (rank 8, non-zero B) over the EXL3 projections
+    manifest.json      what was written (bits, codebook per layer, seed, modules)
+
+Which projections are EXL3 follows exllamav3's Qwen3.5 layout: GDN ``in_proj_qkv`` (q+k+v
+fused), ``in_proj_z``, ``out_proj``; attention ``q/k/v/o_proj``; MLP ``gate/up/down_proj``.
+``in_proj_a``, ``in_proj_b``, ``conv1d``, ``A_log``, ``dt_bias``, norms, embeddings, lm_head and
+the vision tower stay unquantized (lm_head: ``head_bits`` null, since aphrodite treats
+``lm_head`` as EXL3 whenever ``head_bits`` is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import codec
+
+EXL3_SUFFIXES = (
+    "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                "gate_proj", "up_proj", "down_proj")
+SPECIAL_TOKENS = {"<|image_pad|>": 500, "<|video_pad|>": 501, "<|vision_start|>": 502, "<|vision_end|>": 503,
+                  "<|endoftext|>": 504, "<|im_start|>": 505, "<|im_end|>": 506}
+
+
+@dataclass
+class TinySpec:
+    """What to write. Defaults: the tiny config of FACTS.md (loads in aphrodite 0.21, 128-aligned
+    also per rank at TP=2)."""
+
+    bits: int = 4
+    codebook: str = "mcg"  # or "3inst", "mul1", or "mixed" (cycles through the three per layer)
+    seed: int = 0
+    hidden: int = 256
+    intermediate: int = 512
+    vocab: int = 512
+    layer_types: tuple[str, ...] = ("linear_attention",) * 3 + ("full_attention",)
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 256
+    gdn_key_heads: int = 2
+    gdn_value_heads: int = 4
+    gdn_head_dim: int = 128
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    tp: int = 2  # the largest tensor-parallel size the checkpoint must split evenly for
+    adapters: tuple[str, ...] = ("lora-a", "lora-b")
+    extra: dict = field(default_factory=dict)
+
+    def codebook_for(self, index: int) -> str:
+        return codec.CODEBOOKS[index % 3] if self.codebook == "mixed" else self.codebook
+
+
+def _check(spec: TinySpec) -> None:
+    if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
+        raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
+    if not 1 <= spec.bits <= 8:
+        raise ValueError(f"bits must be 1..8, got {spec.bits}")
+    dims = {
+        "hidden": spec.hidden, "intermediate": spec.intermediate,
+        "attention q (with output gate)": 2 * spec.heads * spec.head_dim,
+        "attention k/v": spec.kv_heads * spec.head_dim,
+        "GDN key dim": spec.gdn_key_heads * spec.gdn_head_dim,
+        "GDN value dim": spec.gdn_value_heads * spec.gdn_head_dim,
+    }
+    for name, size in dims.items():
+        if size % (codec.HAD * spec.tp):
+            raise ValueError(
+                f"{name} = {size} is not a multiple of {codec.HAD} x TP {spec.tp} = {codec.HAD * spec.tp}: a "
+                f"tensor-parallel split would cut a {codec.HAD}-wide Hadamard block")
+
+
+def hf_config(spec: TinySpec) -> dict:
+    rotary = 0.25
+    half_rot = int(spec.head_dim * rotary) // 2
+    # mrope: sum(mrope_section) == head_dim * partial_rotary_factor / 2 (256 -> [11, 11, 10])
+    mrope = [half_rot // 3 + (i < half_rot % 3) for i in range(3)]
+    text = {
+        "model_type": "qwen3_5_text", "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate, "num_hidden_layers": len(spec.layer_types),
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+        "layer_types": list(spec.layer_types), "linear_num_key_heads": spec.gdn_key_heads,
+        "linear_num_value_heads": spec.gdn_value_heads, "linear_key_head_dim": spec.gdn_head_dim,
+        "linear_value_head_dim": spec.gdn_head_dim, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+        "partial_rotary_factor": rotary,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
+                            "mrope_section": mrope, "mrope_interleaved": True},
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "dtype": "float16",
+    }
+    vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128, "intermediate_size": 256,
+              "num_heads": 2, "out_hidden_size": spec.hidden, "num_position_embeddings": 64, "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text, "vision_config": vision,
+        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"], "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+        "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
+        "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "tie_word_embeddings": False, "dtype": "float16",
+    }
+
+
+def _linear_shapes(spec: TinySpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of every EXL3 projection, by suffix."""
+    q = 2 * spec.heads * spec.head_dim
+    kv = spec.kv_heads * spec.head_dim
+    k_gdn = spec.gdn_key_heads * spec.gdn_head_dim
+    v_gdn = spec.gdn_value_heads * spec.gdn_head_dim
+    return {
+        "linear_attn.in_proj_qkv": (spec.hidden, 2 * k_gdn + v_gdn), "linear_attn.in_proj_z": (spec.hidden, v_gdn),
+        "linear_attn.out_proj": (v_gdn, spec.hidden),
+        "self_attn.q_proj": (spec.hidden, q), "self_attn.k_proj": (spec.hidden, kv),
+        "self_attn.v_proj": (spec.hidden, kv), "self_attn.o_proj": (spec.heads * spec.head_dim, spec.hidden),
+        "mlp.gate_proj": (spec.hidden, spec.intermediate), "mlp.up_proj": (spec.hidden, spec.intermediate),
+        "mlp.down_proj": (spec.intermediate, spec.hidden),
+    }
+
+
+def _tokenizer_files(dest: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer (256 byte tokens, fillers, the Qwen special tokens) built locally."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    specials = {i: t for t, i in SPECIAL_TOKENS.items()}
+    for i in range(len(vocab), vocab_size):
+        vocab[specials.get(i, f"<|extra_{i}|>")] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 1024, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": SPECIAL_TOKENS["<|endoftext|>"]}))
+
+
+def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None) -> dict:
+    """Write the checkpoint set; returns the manifest. Writes into a temporary sibling folder and
+    renames it into place, so a failure leaves nothing half-written."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = spec or TinySpec()
+    _check(spec)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        manifest = _write(tmp, spec, torch, save_file)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
+    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration, fp16 values."""
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.float16)
+
+    v = cfg["vision_config"]
+    state = {
+        "model.visual.patch_embed.proj.weight": rnd(v["hidden_size"], 3, 2, 16, 16),
+        "model.visual.patch_embed.proj.bias": rnd(v["hidden_size"]),
+        "model.visual.pos_embed.weight": rnd(v["num_position_embeddings"], v["hidden_size"]),
+        "model.visual.merger.norm.weight": torch.ones(v["hidden_size"], dtype=torch.float16),
+        "model.visual.merger.norm.bias": rnd(v["hidden_size"]),
+        "model.visual.merger.linear_fc1.weight": rnd(4 * v["hidden_size"], 4 * v["hidden_size"]),
+        "model.visual.merger.linear_fc1.bias": rnd(4 * v["hidden_size"]),
+        "model.visual.merger.linear_fc2.weight": rnd(spec.hidden, 4 * v["hidden_size"]),
+        "model.visual.merger.linear_fc2.bias": rnd(spec.hidden),
+        "model.language_model.embed_tokens.weight": rnd(spec.vocab, spec.hidden, std=1.0),
+        "model.language_model.norm.weight": rnd(spec.hidden, std=0.1),
+        "lm_head.weight": rnd(spec.vocab, spec.hidden, std=0.1),
+    }
+    b = "model.visual.blocks.0."
+    h = v["hidden_size"]
+    for name, shape in {"norm1": (h,), "norm2": (h,)}.items():
+        state[b + name + ".weight"] = torch.ones(shape, dtype=torch.float16)
+        state[b + name + ".bias"] = rnd(*shape)
+    for name, (o, i) in {"attn.qkv": (3 * h, h), "attn.proj": (h, h), "mlp.linear_fc1": (v["intermediate_size"], h),
+                         "mlp.linear_fc2": (h, v["intermediate_size"])}.items():
+        state[b + name + ".weight"] = rnd(o, i)
+        state[b + name + ".bias"] = rnd(o)
+    conv_dim = 2 * spec.gdn_key_heads * spec.gdn_head_dim + spec.gdn_value_heads * spec.gdn_head_dim
+    for n, kind in enumerate(spec.layer_types):
+        p = f"model.language_model.layers.{n}."
+        state[p + "input_layernorm.weight"] = rnd(spec.hidden, std=0.1)
+        state[p + "post_attention_layernorm.weight"] = rnd(spec.hidden, std=0.1)
+        if kind == "linear_attention":
+            vh = spec.gdn_value_heads
+            state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.float16)
+            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.float16)
+            state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3)
+            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.float16)
+            state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
+            state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
+        else:
+            state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1)
+            state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1)
+    return state
+
+
+def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
+    gen = torch.Generator().manual_seed(spec.seed)
+    cfg = hf_config(spec)
+    base = _base_state(spec, cfg, gen, torch)
+    exl3_state = dict(base)
+    dense_state = {k: v.to(torch.float32) for k, v in base.items()}
+    storage: dict[str, dict] = {}
+    shapes = _linear_shapes(spec)
+    codebooks: dict[str, str] = {}
+    index = 0
+    for n, kind in enumerate(spec.layer_types):
+        wanted = "linear_attn." if kind == "linear_attention" else "self_attn."
+        for suffix in EXL3_SUFFIXES:
+            if not (suffix.startswith(wanted) or suffix.startswith("mlp.")):
+                continue
+            prefix = f"model.language_model.layers.{n}.{suffix}"
+            cb = spec.codebook_for(index)
+            index += 1
+            codebooks[prefix] = cb
+            fin, fout = shapes[suffix]
+            tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen)
+            dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits).t().contiguous()
+            stored = {}
+            for name, tensor in tensors.items():
+                exl3_state[f"{prefix}.{name}"] = tensor
+                stored[f"{prefix}.{name}"] = {"shape": list(tensor.shape), "n_bytes": tensor.numel() * tensor.element_size(),
+                                              "dtype": str(tensor.dtype).removeprefix("torch.")}
+            entry = {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": spec.bits}
+            if cb == "mcg":
+                entry["mcg_multiplier"] = codec.MCG_MULT
+            elif cb == "mul1":
+                entry["mul1_multiplier"] = codec.MUL1_MULT
+            storage[prefix] = entry
+
+    exl3_dir, dense_dir = tmp / "exl3", tmp / "dense"
+    for d in (exl3_dir, dense_dir):
+        d.mkdir()
+        _tokenizer_files(d, spec.vocab)
+    quant_cfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(spec.bits), "head_bits": None,
+                 "codebook": spec.codebook, "calibration": {"synthetic": True, "seed": spec.seed}}
+    (exl3_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
+    (exl3_dir / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))
+    save_file(exl3_state, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
+    (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, indent=2))
+    save_file(dense_state, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    adapters = {}
+    for a, name in enumerate(spec.adapters):
+        adapters[name] = _write_adapter(tmp / name, spec, shapes, torch, save_file,
+                                        torch.Generator().manual_seed(spec.seed * 1000 + a + 1))
+    manifest = {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
+                "codebooks": codebooks, "exl3_modules": sorted(storage), "adapters": adapters}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _write_adapter(dest: Path, spec: TinySpec, shapes, torch, save_file, gen) -> list[str]:
+    dest.mkdir()
+    state = {}
+    for n, kind in enumerate(spec.layer_types):
+        for suffix, (fin, fout) in shapes.items():
+            module = suffix.split(".")[-1]
+            if module not in spec.lora_targets:
+                continue
+            if not (suffix.startswith("mlp.") or suffix.startswith("linear_attn." if kind == "linear_attention" else "self_attn.")):
+                continue
+            key = f"base_model.model.model.language_model.layers.{n}.{suffix}"
+            state[key + ".lora_A.weight"] = (torch.randn(spec.lora_rank, fin, generator=gen) / fin ** 0.5).to(torch.float16)
+            state[key + ".lora_B.weight"] = (torch.randn(fout, spec.lora_rank, generator=gen) * 0.05).to(torch.float16)
+    save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (dest / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.lora_rank, "lora_alpha": 2 * spec.lora_rank,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "target_modules": list(spec.lora_targets),
+        "base_model_name_or_path": None, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "modules_to_save": None,
+    }, indent=2))
+    return sorted(state)
