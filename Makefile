@@ -12,9 +12,10 @@ install:
 test:
 	PYTHON=$(PY) bash ci/test.sh
 
-# The GPU suite (marker cuda) on a machine with an NVIDIA GPU and aphrodite-engine 0.21.0 installed.
+# The GPU suite on a machine with an NVIDIA GPU and aphrodite-engine 0.21.0 installed (python3 of
+# that environment); log, results JSON and a markdown summary land in ./out.
 test-gpu:
-	$(PY) -m pytest -q -m cuda tests/gpu
+	bash ci/gpu.sh
 
 stubs:
 	@echo "make stubs: the libcuda stub builder is not in this release yet (issue 5)"; exit 2

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU suite in one call (make test-gpu; on the H200 through the device tool after
+# ../shared/device/stage.sh): installs this project as a real distribution next to aphrodite,
+# prints `hybrid-exl3-fixes status`, runs tests/gpu, writes the log, the JSON results and a
+# markdown summary under OUT (default ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+SITE="${HXF_SITE:-}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hxf-triton-cache}"
+export HXF_GPU_WORK="${HXF_GPU_WORK:-/tmp/hxf-gpu}" HXF_GPU_RESULTS="$OUT/gpu-results.json"
+mkdir -p "$HXF_GPU_WORK"
+if [ -n "$SITE" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | tail -3
+  export PYTHONPATH="$SITE"
+fi
+{
+  echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+  python3 -c "import aphrodite, torch; print('aphrodite', aphrodite.__version__, 'torch', torch.__version__)"
+  python3 -m hybrid_exl3_fixes.cli status
+  python3 -m pytest -v -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-junit.xml" tests/gpu "$@"
+} 2>&1 | tee "$OUT/gpu.log"
+rc=${PIPESTATUS[0]}
+python3 ci/gpu_summary.py "$OUT/gpu-junit.xml" "$HXF_GPU_RESULTS" > "$OUT/gpu-results.md" || true
+for f in "$HXF_GPU_WORK"/*.log; do [ -f "$f" ] && tail -c 60000 "$f" > "$OUT/engine-$(basename "$f")"; done 2>/dev/null
+exit $rc
