@@ -6,9 +6,12 @@ Format (exllamav3 1.6.5 as read by aphrodite 0.21; see the project's FACTS.md):
   ``trellis`` int16 ``(I/16, O/16, 16*K)``, ``suh`` fp16 ``(I,)``, ``svh`` fp16 ``(O,)`` and an
   optional int32 scalar ``mcg`` (0xCBAC1FED) or ``mul1`` (0x83DCD12D) naming the codebook;
   neither means 3INST.
-* Each 16x16 tile is a tail-biting bitstream of ``256*K`` bits: its ``16*K`` uint16 words read
-  MSB-first, in order (little-endian uint32 words with swapped 16-bit halves amount to exactly
-  that). The state of position ``t`` is the 16-bit window ending at bit ``(t+1)*K``:
+* Each 16x16 tile is a tail-biting bitstream of ``256*K`` bits: the tile's ``16*K`` int16 words
+  taken as ``8*K`` little-endian uint32 words (``u32[m] = w[2m] | w[2m+1] << 16``), each read
+  MSB-first, so the stream visits ``w[1], w[0], w[3], w[2], ...``. (Measured on an H200: reading
+  the int16 words in plain order disagrees with ``exl3_reconstruct`` everywhere; the word and
+  shift arithmetic of exllamav3's Triton decoder confirms the uint32 order.) The state of
+  position ``t`` is the 16-bit window ending at bit ``(t+1)*K``:
   ``s_t = ((s_{t-1} << K) | sym_t) & 0xFFFF``, wrapping around the tile's end.
 * Codebooks map a state to an fp16 value: 3INST ``x = s*89226354 + 64248484``, mcg
   ``x = s*0xCBAC1FED`` (mod 2^32), then ``x = (x & 0x8FFF8FFF) ^ 0x3B603B60`` and
@@ -88,9 +91,14 @@ def codebook_of(tensors: dict[str, torch.Tensor]) -> str:
 
 # -- bitstreams ----------------------------------------------------------------------------
 
+def _swap_halves(words: torch.Tensor) -> torch.Tensor:
+    """int16 words in storage order <-> stream order (pairs swapped: uint32 words read MSB-first)."""
+    return words.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
 def _stream_bits(trellis: torch.Tensor) -> torch.Tensor:
-    """(..., 16*K) int16 -> (..., 256*K) bits (int64 0/1), each word MSB first."""
-    words = trellis.to(torch.int64) & 0xFFFF
+    """(..., 16*K) int16 -> (..., 256*K) bits (int64 0/1) in stream order."""
+    words = _swap_halves(trellis.to(torch.int64) & 0xFFFF)
     shifts = torch.arange(15, -1, -1, dtype=torch.int64, device=trellis.device)
     bits = (words.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(-2)
@@ -128,7 +136,7 @@ def symbols_to_trellis(symbols: torch.Tensor, K: int) -> torch.Tensor:
     bits = ((symbols.to(torch.int64).unsqueeze(-1) >> shifts) & 1).flatten(-2)  # (..., 256*K)
     bits = bits.unflatten(-1, (16 * K, 16))
     weights = 1 << torch.arange(15, -1, -1, dtype=torch.int64, device=symbols.device)
-    words = (bits * weights).sum(-1)
+    words = _swap_halves((bits * weights).sum(-1))
     return (words - ((words & 0x8000) << 1)).to(torch.int16)
 
 

@@ -59,14 +59,18 @@ def test_states_follow_the_tail_biting_recurrence(K):
     assert torch.equal(codec.trellis_to_symbols(trellis, K), symbols)
 
 
-def test_bitstream_is_msb_first_words_in_order():
+def test_bitstream_is_little_endian_uint32_words_msb_first():
     K = 4
     trellis = torch.zeros(16 * K, dtype=torch.int16)
-    trellis[0] = 0x1000  # first symbol 0b0001
+    trellis[1] = 0x1000  # high half of uint32 word 0: its top 4 bits are the first symbol, 0b0001
     s = codec.states(trellis, K)
     assert int(s[0]) == 0x0001
     assert int(s[3]) == 0x1000
     assert int(s[4]) == 0x0000
+    trellis = torch.zeros(16 * K, dtype=torch.int16)
+    trellis[0] = 0x1000  # low half of word 0: symbols 4..7, the first is 0b0001
+    s = codec.states(trellis, K)
+    assert int(s[3]) == 0x0000 and int(s[4]) == 0x0001 and int(s[7]) == 0x1000
 
 
 @pytest.mark.parametrize("K", [0, 9])
