@@ -11,9 +11,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hxf-triton-cache}"
 export HXF_GPU_WORK="${HXF_GPU_WORK:-/tmp/hxf-gpu}" HXF_GPU_RESULTS="$OUT/gpu-results.json"
-mkdir -p "$HXF_GPU_WORK"
+rm -rf "$HXF_GPU_WORK"; mkdir -p "$HXF_GPU_WORK"  # checkpoints are rebuilt by the code under test
 if [ -n "$SITE" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | tail -3
+  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
   export PYTHONPATH="$SITE"
 fi
 {
