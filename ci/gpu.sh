@@ -24,5 +24,6 @@ fi
 } 2>&1 | tee "$OUT/gpu.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_summary.py "$OUT/gpu-junit.xml" "$HXF_GPU_RESULTS" > "$OUT/gpu-results.md" || true
-for f in "$HXF_GPU_WORK"/*.log; do [ -f "$f" ] && tail -c 60000 "$f" > "$OUT/engine-$(basename "$f")"; done 2>/dev/null
+# the device tool brings back at most 8 files: the engine logs travel as one archive
+(cd "$HXF_GPU_WORK" && tar czf "$OUT/engine-logs.tgz" ./*.log 2>/dev/null)
 exit $rc

@@ -20,8 +20,8 @@ def scalar_value(state: int, codebook: str) -> float:
 
     if codebook == "mul1":
         x = (state * 0x83DCD12D) & 0xFFFFFFFF
-        h = np.float16(f16(0x6400 + sum((x >> s) & 0xFF for s in (0, 8, 16, 24))))
-        return float(np.float16(np.float16(h * np.float16(f16(0x1EEE))) + np.float16(f16(0xC931))))
+        h = f16(0x6400 + sum((x >> s) & 0xFF for s in (0, 8, 16, 24)))
+        return float(np.float16(h * f16(0x1EEE) + f16(0xC931)))  # fused: one rounding
     x = (state * 89226354 + 64248484) if codebook == "3inst" else state * 0xCBAC1FED
     x = ((x & 0xFFFFFFFF) & 0x8FFF8FFF) ^ 0x3B603B60
     return float(np.float16(np.float16(f16(x)) + np.float16(f16(x >> 16))))
