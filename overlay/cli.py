@@ -1,4 +1,4 @@
-"""hybrid-exl3-fixes command line: ``status`` (more subcommands arrive with their issues)."""
+"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_NOT_LOADED if not_loaded else EXIT_OK
 
 
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    try:
+        manifest = write_tiny(args.dir, TinySpec(bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp))
+    except (ValueError, FileExistsError) as exc:
+        print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
+          f"{args.codebook}), dense/ (decoded twin), {', '.join(manifest['adapters'])} (LoRA rank 8)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                                         "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin.")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
+    tiny = sub.add_parser("make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters")
+    tiny.add_argument("dir", help="a new (or empty) folder")
+    tiny.add_argument("--bits", type=int, default=4, help="EXL3 bitrate K, 1..8 (default 4)")
+    tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
+    tiny.set_defaults(func=cmd_make_tiny)
     args = parser.parse_args(argv)
     return args.func(args)
 

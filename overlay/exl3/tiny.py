@@ -74,14 +74,18 @@ def _check(spec: TinySpec) -> None:
         raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
     if not 1 <= spec.bits <= 8:
         raise ValueError(f"bits must be 1..8, got {spec.bits}")
-    dims = {
-        "hidden": spec.hidden, "intermediate": spec.intermediate,
+    if spec.hidden % codec.HAD:
+        raise ValueError(f"hidden = {spec.hidden} is not a multiple of {codec.HAD} (every EXL3 dimension must be)")
+    # Dimensions a tensor-parallel rank holds a slice of: column-parallel outputs and the
+    # matching row-parallel inputs. The hidden size is never split.
+    split = {
+        "intermediate": spec.intermediate,
         "attention q (with output gate)": 2 * spec.heads * spec.head_dim,
         "attention k/v": spec.kv_heads * spec.head_dim,
         "GDN key dim": spec.gdn_key_heads * spec.gdn_head_dim,
         "GDN value dim": spec.gdn_value_heads * spec.gdn_head_dim,
     }
-    for name, size in dims.items():
+    for name, size in split.items():
         if size % (codec.HAD * spec.tp):
             raise ValueError(
                 f"{name} = {size} is not a multiple of {codec.HAD} x TP {spec.tp} = {codec.HAD * spec.tp}: a "

@@ -1,0 +1,124 @@
+"""The tiny checkpoint writer (CPU): layout, consistency, dense twin, adapters, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid_exl3_fixes.exl3 import codec
+from hybrid_exl3_fixes.exl3.tiny import EXL3_SUFFIXES, TinySpec, write_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("t") / "tiny"
+    manifest = write_tiny(dest, TinySpec(bits=3, codebook="mixed", seed=1))
+    return dest, manifest
+
+
+def test_layout_and_quantization_config(tiny):
+    dest, manifest = tiny
+    for name in ("exl3/config.json", "exl3/quantization_config.json", "exl3/model.safetensors",
+                 "exl3/tokenizer.json", "dense/model.safetensors", "lora-a/adapter_config.json",
+                 "lora-b/adapter_model.safetensors", "manifest.json"):
+        assert (dest / name).is_file(), name
+    cfg = json.loads((dest / "exl3" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert cfg["quantization_config"]["quant_method"] == "exl3" and cfg["quantization_config"]["head_bits"] is None
+    text = cfg["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] * text["partial_rotary_factor"] / 2
+    # 3 GDN layers x 3 + 1 attention layer x 4 + 4 MLPs x 3
+    assert len(manifest["exl3_modules"]) == 3 * 3 + 4 + 4 * 3
+    assert set(manifest["codebooks"].values()) == set(codec.CODEBOOKS)
+
+
+def test_tensor_storage_matches_the_safetensors(tiny):
+    dest, _ = tiny
+    storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    tensors = load_file(str(dest / "exl3" / "model.safetensors"))
+    for prefix, entry in storage.items():
+        assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == 3
+        assert prefix.startswith("model.language_model.layers.")
+        assert prefix.split(".", 4)[-1] in EXL3_SUFFIXES, prefix
+        for name, info in entry["stored_tensors"].items():
+            assert list(tensors[name].shape) == info["shape"], name
+        fin = tensors[prefix + ".suh"].shape[0]
+        fout = tensors[prefix + ".svh"].shape[0]
+        assert tensors[prefix + ".trellis"].shape == (fin // 16, fout // 16, 48)
+        assert fin % 128 == 0 and fout % 128 == 0
+        has = {m for m in ("mcg", "mul1") if prefix + "." + m in tensors}
+        assert len(has) <= 1
+    unquantized = [k for k in tensors if k.endswith("in_proj_a.weight") or k.endswith("conv1d.weight")]
+    assert unquantized and all(tensors[k].dtype == torch.float16 for k in unquantized)
+
+
+def test_dense_twin_holds_the_decoded_weights(tiny):
+    dest, manifest = tiny
+    exl3 = load_file(str(dest / "exl3" / "model.safetensors"))
+    dense = load_file(str(dest / "dense" / "model.safetensors"))
+    for prefix in manifest["exl3_modules"][:5]:
+        parts = {k.rsplit(".", 1)[1]: v for k, v in exl3.items() if k.startswith(prefix + ".")}
+        assert torch.equal(dense[prefix + ".weight"], codec.dense_weight(parts, 3).t().contiguous())
+    assert torch.equal(dense["lm_head.weight"], exl3["lm_head.weight"].float())
+
+
+def test_dense_twin_loads_in_transformers(tiny):
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    dest, _ = tiny
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(dest / "dense", output_loading_info=True)
+    assert not any(info.values()), info
+    tok = AutoTokenizer.from_pretrained(dest / "dense")
+    ids = tok("hybrid EXL3").input_ids
+    assert tok.decode(ids) == "hybrid EXL3"
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), 512) and torch.isfinite(logits).all()
+
+
+def test_adapters_have_nonzero_b_over_the_exl3_projections(tiny):
+    dest, manifest = tiny
+    for name in ("lora-a", "lora-b"):
+        cfg = json.loads((dest / name / "adapter_config.json").read_text())
+        assert cfg["peft_type"] == "LORA" and cfg["r"] == 8
+        state = load_file(str(dest / name / "adapter_model.safetensors"))
+        b = [v for k, v in state.items() if k.endswith("lora_B.weight")]
+        assert len(b) == len(manifest["exl3_modules"]) and all(v.abs().sum() > 0 for v in b)
+    a = load_file(str(dest / "lora-a" / "adapter_model.safetensors"))
+    b = load_file(str(dest / "lora-b" / "adapter_model.safetensors"))
+    assert not torch.equal(next(iter(a.values())), next(iter(b.values())))
+
+
+def test_tp_split_that_cuts_a_hadamard_block_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="would cut a 128-wide Hadamard block"):
+        write_tiny(tmp_path / "x", TinySpec(tp=4))  # GDN key dim 256 / 4 = 64
+    assert not (tmp_path / "x").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_non_empty_target_is_refused_and_untouched(tmp_path):
+    target = tmp_path / "busy"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        write_tiny(target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["busy"]
+
+
+def test_unknown_codebook_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="codebook"):
+        write_tiny(tmp_path / "x", TinySpec(codebook="foo"))
+
+
+def test_make_tiny_cli(tmp_path):
+    from hybrid_exl3_fixes.cli import main
+
+    assert main(["make-tiny", str(tmp_path / "a"), "--bits", "2", "--codebook", "3inst"]) == 0
+    assert (tmp_path / "a" / "exl3" / "model.safetensors").is_file()
+    assert main(["make-tiny", str(tmp_path / "a")]) == 2  # not empty: refused
+    assert main(["make-tiny", str(tmp_path / "b"), "--tp", "4"]) == 2
+    assert not (tmp_path / "b").exists()
