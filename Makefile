@@ -17,8 +17,9 @@ test:
 test-gpu:
 	bash ci/gpu.sh
 
+# The libcuda stub for flashinfer's JIT link on WSL2 / conda CUDA: build/stubs/{libcuda.so,env.sh}
 stubs:
-	@echo "make stubs: the libcuda stub builder is not in this release yet (issue 5)"; exit 2
+	$(VENV)/bin/hybrid-exl3-fixes stubs --out build/stubs
 
 # Status against aphrodite 0.21.0 unpacked by make install (use your own environment's
 # `hybrid-exl3-fixes status` where aphrodite is installed for real).

@@ -1,4 +1,4 @@
-"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``."""
+"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``, ``stubs``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,30 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_stub_dir() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "hybrid-exl3-fixes", "libcuda-stub")
+
+
+def cmd_stubs(args: argparse.Namespace) -> int:
+    from hybrid_exl3_fixes.build_stubs import BuildError, build_stubs
+
+    try:
+        result = build_stubs(args.out, root=args.root)
+    except BuildError as exc:
+        print(f"hybrid-exl3-fixes stubs: {exc}", file=sys.stderr)
+        return 2
+    for cand in result.rejected:
+        print(f"skipped {cand.path} ({cand.origin}): {cand.reason}")
+    print(f"libcuda stub: {result.out}/libcuda.so, {result.source}, SONAME {result.soname}"
+          + (f", {result.symbols} symbols" if result.symbols else ""))
+    print("self-check passed: a probe linked as flashinfer links records NEEDED libcuda.so.1")
+    for warning in result.warnings:
+        print(f"WARNING: {warning}", file=sys.stderr)
+    print(f"next: source {result.out}/env.sh   (never put {result.out} on LD_LIBRARY_PATH)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
     tiny.set_defaults(func=cmd_make_tiny)
+    stubs = sub.add_parser("stubs", help="find or generate a libcuda stub for JIT links (WSL2, conda CUDA) and write env.sh",
+                           description="Exit 0: stub written and self-checked; 2: bad input or environment (nothing written).")
+    stubs.add_argument("--out", default=default_stub_dir(), help="folder for libcuda.so, env.sh, manifest.json "
+                       "(default: %(default)s)")
+    stubs.add_argument("--root", default="/", help="filesystem root to search (for testing layouts)")
+    stubs.set_defaults(func=cmd_stubs)
     args = parser.parse_args(argv)
     return args.func(args)
 
