@@ -1,4 +1,4 @@
-"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``, ``stubs``."""
+"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``, ``stubs``, ``doctor``."""
 
 from __future__ import annotations
 
@@ -105,6 +105,16 @@ def cmd_stubs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hybrid_exl3_fixes.doctor import as_json, diagnose, render
+
+    report = diagnose(args.model_dir, gpu_mem=args.gpu_mem, gpus=args.gpus, tp=args.tp,
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype,
+                      utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only)
+    print(as_json(report) if args.json else render(report))
+    return report.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +136,19 @@ def main(argv: list[str] | None = None) -> int:
                        "(default: %(default)s)")
     stubs.add_argument("--root", default="/", help="filesystem root to search (for testing layouts)")
     stubs.set_defaults(func=cmd_stubs)
+    doctor = sub.add_parser("doctor", help="preflight a hybrid GDN (+EXL3) model folder and plan its memory",
+                            description="Exit 0: ok; 1: warnings; 2: blocking problems.")
+    doctor.add_argument("model_dir")
+    doctor.add_argument("--gpu-mem", type=float, help="GiB per GPU (enables the KV pool and concurrency plan)")
+    doctor.add_argument("--gpus", type=int, default=1)
+    doctor.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    doctor.add_argument("--max-model-len", type=int)
+    doctor.add_argument("--max-num-seqs", type=int, default=256)
+    doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
+    doctor.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    doctor.add_argument("--language-model-only", action="store_true", help="text only: no processor files, no image budget")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
 
