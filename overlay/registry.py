@@ -20,6 +20,7 @@ Statuses:
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -305,7 +306,9 @@ class Registry:
         return True
 
 
-def tag(patch_id: str, fn: Callable) -> Callable:
-    """Mark a replacement function so a later apply recognises it as ours."""
+def tag(patch_id: str, fn: Callable, original: Callable) -> Callable:
+    """Dress a replacement as the function it wraps (name, doc, ``__wrapped__``) and mark it so
+    a later apply recognises it as ours."""
+    functools.update_wrapper(fn, original)
     setattr(fn, MARKER, patch_id)
     return fn

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Live, Patch, Target, tag
-from .utils import exl3_placeholder, fake_exl3_layer, is_unsupported_layer_error
+from .utils import exl3_fallback, exl3_placeholder, fake_exl3_layer, is_unsupported_layer_error
 
 WEIGHT = Target("aphrodite.lora.layers.base_linear", "BaseLinearLayerWithLoRA.weight")
 
@@ -38,19 +38,8 @@ def probe_lora_weight_for_exl3(live: dict[str, Live]) -> bool:
 
 def build(live: dict[str, Live]) -> dict[str, Any]:
     original = live[WEIGHT.key].function
-
-    def weight(self):
-        try:
-            return original(self)
-        except ValueError as exc:
-            placeholder = exl3_placeholder(self.base_layer) if is_unsupported_layer_error(exc) else None
-            if placeholder is None:
-                raise
-            return placeholder
-
-    weight.__wrapped__ = original
-    weight.__doc__ = original.__doc__
-    return {WEIGHT.key: property(tag("P2b", weight))}
+    weight = exl3_fallback(original, lambda wrapper: exl3_placeholder(wrapper.base_layer))
+    return {WEIGHT.key: property(tag("P2b", weight, original))}
 
 
 PATCH = Patch(

@@ -84,6 +84,22 @@ def is_unsupported_layer_error(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and str(exc).startswith("Unsupported base layer")
 
 
+def exl3_fallback(original, answer):
+    """A one-argument wrapper of ``original`` that, where the original rejects a layer with
+    "Unsupported base layer", returns ``answer(arg)`` instead when that is not None."""
+
+    def wrapper(arg):
+        try:
+            return original(arg)
+        except ValueError as exc:
+            value = answer(arg) if is_unsupported_layer_error(exc) else None
+            if value is None:
+                raise
+            return value
+
+    return wrapper
+
+
 def probe_lora_device_for_exl3(live: dict[str, Live]) -> bool:
     """True when the live ``_get_lora_device`` (at every binding site) rejects an EXL3 layer.
 
@@ -105,19 +121,7 @@ def probe_lora_device_for_exl3(live: dict[str, Live]) -> bool:
 
 def build(live: dict[str, Live]) -> dict[str, Any]:
     original = live[UTILS.key].function
-
-    def _get_lora_device(base_layer: torch.nn.Module) -> torch.device:
-        try:
-            return original(base_layer)
-        except ValueError as exc:
-            device = exl3_device(base_layer) if is_unsupported_layer_error(exc) else None
-            if device is None:
-                raise
-            return device
-
-    _get_lora_device.__wrapped__ = original
-    _get_lora_device.__doc__ = original.__doc__
-    return {UTILS.key: tag("P2", _get_lora_device)}
+    return {UTILS.key: tag("P2", exl3_fallback(original, exl3_device), original)}
 
 
 PATCH = Patch(

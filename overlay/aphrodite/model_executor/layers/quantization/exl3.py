@@ -55,9 +55,7 @@ def build(live: dict[str, Live]) -> dict[str, Any]:
             return list(FUSED_QKV)
         return original(layer, output_partition_sizes)
 
-    _shard_ids_for_layer.__wrapped__ = original
-    _shard_ids_for_layer.__doc__ = original.__doc__
-    return {SHARD_IDS.key: staticmethod(tag("P1", _shard_ids_for_layer))}
+    return {SHARD_IDS.key: staticmethod(tag("P1", _shard_ids_for_layer, original))}
 
 
 PATCH = Patch(
