@@ -1,0 +1,100 @@
+"""What the overlay adds to an aphrodite process's start (issue 7's goal: under 50 ms).
+
+Each sample is a fresh Python process with the real aphrodite-engine modules (CPU is enough: the
+plugin's work, imports and probes, runs on the CPU in every engine process). Two contexts:
+
+- worker: the process already imported the modules the patches touch (as an engine-core or worker
+  process has by the time it loads a model): cost = importing hybrid_exl3_fixes + apply_all().
+- process0: a fresh process that has imported only aphrodite.engine.arg_utils (where
+  EngineArgs.__post_init__ calls load_general_plugins): cost additionally includes importing the
+  patched aphrodite modules the plugin probes, which that process may not have needed yet.
+
+Usage: PYTHONPATH=.cache/aphrodite/0.21.0 python bench/plugin_overhead.py [--runs 15] [--out bench/results]
+Writes plugin_overhead.csv, plugin_overhead.md and plugin_overhead.png (if matplotlib is present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+context = sys.argv[1]
+if context == "worker":
+    import aphrodite.model_executor.layers.quantization.exl3, aphrodite.lora.layers.base_linear, aphrodite.lora.layers.fused_moe
+else:
+    import aphrodite.engine.arg_utils
+t0 = time.perf_counter()
+import hybrid_exl3_fixes
+t1 = time.perf_counter()
+results = hybrid_exl3_fixes.apply_all()
+t2 = time.perf_counter()
+print(json.dumps({"import_ms": (t1 - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3,
+                  "statuses": [r.status.value for r in results]}))
+"""
+
+
+def sample(context: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, context], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import importlib.metadata
+
+    version = importlib.metadata.version("aphrodite-engine")
+    rows = []
+    for context in ("worker", "process0"):
+        sample(context)  # warm the file cache
+        for run in range(args.runs):
+            rows.append({"context": context, "run": run, **{k: v for k, v in sample(context).items() if k != "statuses"}})
+    with (out / "plugin_overhead.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# Plugin start overhead (aphrodite-engine {version}, CPU, {args.runs} fresh processes each)", "",
+             f"Command: `PYTHONPATH=.cache/aphrodite/{version} python bench/plugin_overhead.py --runs {args.runs}`", "",
+             "| context | median total (ms) | p90 total (ms) | median import (ms) | median apply_all (ms) | goal |",
+             "|---|---|---|---|---|---|"]
+    for context in ("worker", "process0"):
+        sel = [r for r in rows if r["context"] == context]
+        totals = sorted(r["total_ms"] for r in sel)
+        p90 = totals[int(0.9 * (len(totals) - 1))]
+        med = statistics.median(totals)
+        lines.append(f"| {context} | {med:.1f} | {p90:.1f} | {statistics.median(r['import_ms'] for r in sel):.1f} | "
+                     f"{statistics.median(r['apply_ms'] for r in sel):.1f} | {'met' if med < 50 else 'NOT met'} (< 50 ms) |")
+    (out / "plugin_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    data = [[r["total_ms"] for r in rows if r["context"] == c] for c in ("worker", "process0")]
+    ax.boxplot(data, tick_labels=["worker (modules already imported)", "process 0 (arg_utils only)"])
+    ax.axhline(50, color="red", linestyle="--", label="goal 50 ms")
+    ax.set_ylabel("ms added by the plugin")
+    ax.set_title(f"hybrid-exl3-fixes start overhead, aphrodite {version}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "plugin_overhead.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
