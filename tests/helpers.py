@@ -25,9 +25,12 @@ except importlib.metadata.PackageNotFoundError:
 # Measured in FACTS.md / read from the wheels: which releases carry bugs 1 and 2.
 HAS_UPSTREAM_BUGS = APHRODITE_VERSION in ("0.20.0", "0.21.0")
 
-needs_aphrodite = pytest.mark.skipif(not HAS_APHRODITE, reason="aphrodite-engine not importable in this run (ci/test.sh runs each version)")
-needs_buggy = pytest.mark.skipif(not HAS_UPSTREAM_BUGS, reason=f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)")
-needs_fixed = pytest.mark.skipif(not HAS_APHRODITE or HAS_UPSTREAM_BUGS, reason=f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes")
+_NO_APHRODITE = "aphrodite-engine not importable in this run (ci/test.sh runs each version)"
+needs_aphrodite = pytest.mark.skipif(not HAS_APHRODITE, reason=_NO_APHRODITE)
+needs_buggy = pytest.mark.skipif(not HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
+                                 f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)")
+needs_fixed = pytest.mark.skipif(not HAS_APHRODITE or HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
+                                 f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes")
 
 
 def aphrodite_site() -> Path:
