@@ -14,4 +14,5 @@ python -c "import torch, transformers, pytest" || { echo "setup: dependencies fa
 python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import hybrid_exl3_fixes" || { echo "setup: the project failed to install" >&2; exit 1; }
 bash ci/aphrodite-versions.sh
+bash ci/exllamav3-source.sh
 echo "setup: ready (.venv, aphrodite-engine $(ls .cache/aphrodite | tr '\n' ' '))"

@@ -255,18 +255,21 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
             fin, fout = shapes[suffix]
             tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen)
             dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits).t().contiguous()
-            stored = {}
             for name, tensor in tensors.items():
                 exl3_state[f"{prefix}.{name}"] = tensor
-                stored[f"{prefix}.{name}"] = {"shape": list(tensor.shape), "n_bytes": tensor.numel() * tensor.element_size(),
-                                              "dtype": str(tensor.dtype).removeprefix("torch.")}
-            entry = {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": spec.bits}
-            if cb == "mcg":
-                entry["mcg_multiplier"] = codec.MCG_MULT
-            elif cb == "mul1":
+            entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",
+                     "bits_per_weight": spec.bits}
+            if cb == "mul1":
                 entry["mul1_multiplier"] = codec.MUL1_MULT
+            elif cb == "mcg":
+                entry["mcg_multiplier"] = codec.MCG_MULT
             storage[prefix] = entry
 
+    # exllamav3 lists every leaf module in tensor_storage, unquantized ones with stored_tensors only
+    modules = {k.rsplit(".", 1)[0] for k in exl3_state}
+    leaves = {m for m in modules if not any(o.startswith(m + ".") for o in modules)}
+    for leaf in sorted(leaves - set(storage)):
+        storage[leaf] = {"stored_tensors": stored_tensor_info(exl3_state, leaf)}
     exl3_dir, dense_dir = tmp / "exl3", tmp / "dense"
     for d in (exl3_dir, dense_dir):
         d.mkdir()
@@ -284,9 +287,15 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
         adapters[name] = _write_adapter(tmp / name, spec, shapes, torch, save_file,
                                         torch.Generator().manual_seed(spec.seed * 1000 + a + 1))
     manifest = {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
-                "codebooks": codebooks, "exl3_modules": sorted(storage), "adapters": adapters}
+                "codebooks": codebooks, "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"), "adapters": adapters}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def stored_tensor_info(state: dict, prefix: str) -> dict:
+    """tensor_storage's ``stored_tensors`` for one module, in exllamav3's form (dtype as ``str(torch dtype)``)."""
+    return {name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+            for name, t in sorted(state.items()) if name.rsplit(".", 1)[0] == prefix}
 
 
 def _write_adapter(dest: Path, spec: TinySpec, shapes, torch, save_file, gen) -> list[str]:

@@ -40,7 +40,13 @@ def test_tensor_storage_matches_the_safetensors(tiny):
     dest, _ = tiny
     storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     tensors = load_file(str(dest / "exl3" / "model.safetensors"))
+    plain = {k: v for k, v in storage.items() if "quant_format" not in v}
+    assert "model.language_model.layers.0.linear_attn.in_proj_a" in plain and "lm_head" in plain
+    for prefix, entry in plain.items():
+        assert all(list(tensors[n].shape) == i["shape"] for n, i in entry["stored_tensors"].items())
     for prefix, entry in storage.items():
+        if prefix in plain:
+            continue
         assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == 3
         assert prefix.startswith("model.language_model.layers.")
         assert prefix.split(".", 4)[-1] in EXL3_SUFFIXES, prefix

@@ -1,0 +1,144 @@
+"""The tiny checkpoint's EXL3 layout against exllamav3's own code (issue 9, part 1).
+
+exllamav3 is the format's owner. Its package is not imported (that JIT-compiles its CUDA
+extension); its sources (ci/exllamav3-source.sh) are read with ``ast`` at test time, so the
+expectations below come from exllamav3's code, not from a copy of it:
+
+- which Qwen3.5 projections are quantized: exllamav3's Linear is quantized unless built with
+  ``qmap = None``; qwen3_5.py passes a qmap to Attention and GatedMLP, and GatedDeltaNet builds
+  some of its projections with ``qmap = None``;
+- the tensor-name prefix of the language model (``key_prefix`` in qwen3_5.py);
+- the tensors an EXL3 linear is loaded from (modules/linear.py);
+- the fields of a tensor_storage entry (conversion/quant_config.py) and its dtype strings.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted((ROOT / ".cache" / "exllamav3").glob("*/exllamav3"))
+pytestmark = pytest.mark.skipif(not SOURCES, reason="exllamav3 sources not fetched (bash ci/exllamav3-source.sh)")
+EXL = SOURCES[-1] if SOURCES else None
+
+
+def parse(rel: str) -> ast.Module:
+    return ast.parse((EXL / rel).read_text())
+
+
+def first_call(tree: ast.AST, name: str, key_suffix: str | None = None) -> ast.Call:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name:
+            key = ast.unparse(next(k.value for k in node.keywords if k.arg == "key")).rstrip("'\"")
+            if key_suffix is None or key.endswith(key_suffix):
+                return node
+    raise AssertionError(f"no {name}(...) call in exllamav3")
+
+
+def string_kwargs(call: ast.Call) -> dict[str, str]:
+    return {k.arg: k.value.value for k in call.keywords if isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)}
+
+
+def gdn_unquantized_key_params() -> set[str]:
+    """Parameter names (key_b, key_a, ...) of the GatedDeltaNet projections built with qmap = None."""
+    found = set()
+    for node in ast.walk(parse("modules/gated_delta_net.py")):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Linear":
+            qmap = next((k.value for k in node.keywords if k.arg == "qmap"), None)
+            if isinstance(qmap, ast.Constant) and qmap.value is None and len(node.args) > 1:
+                found |= {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name) and n.id.startswith("key_")}
+    return found
+
+
+def expected_exl3_suffixes() -> set[str]:
+    model = parse("architecture/qwen3_5.py")
+    gdn = string_kwargs(first_call(model, "GatedDeltaNet"))
+    attn_call = first_call(model, "Attention")
+    mlp_call = first_call(model, "GatedMLP", key_suffix=".mlp")  # not the MoE shared expert
+    unquantized = gdn_unquantized_key_params()
+    projections = {"key_qkv", "key_z", "key_b", "key_a", "key_o"}
+    expected = {f"linear_attn.{v}" for k, v in gdn.items() if k in projections and k not in unquantized}
+    for section, call, keys in (("self_attn", attn_call, ("key_q", "key_k", "key_v", "key_o")),
+                                ("mlp", mlp_call, ("key_gate", "key_up", "key_down"))):
+        kwargs = string_kwargs(call)
+        assert kwargs.get("qmap"), f"qwen3_5.py builds {section} without a qmap: nothing there would be quantized"
+        expected |= {f"{section}.{kwargs[k]}" for k in keys}
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("x") / "tiny"
+    write_tiny(dest, TinySpec(bits=4, codebook="mixed"))
+    return dest
+
+
+def test_quantized_projections_match_exllamav3(tiny):
+    storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    ours = {k.split(".", 4)[-1] for k, v in storage.items() if v.get("quant_format") == "exl3"}
+    expected = expected_exl3_suffixes()
+    assert {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"} <= expected  # sanity
+    assert ours == expected
+    # and the GDN projections exllamav3 keeps in fp16 are plain weights here
+    gdn = string_kwargs(first_call(parse("architecture/qwen3_5.py"), "GatedDeltaNet"))
+    for param in gdn_unquantized_key_params() & set(gdn):
+        assert f"model.language_model.layers.0.linear_attn.{gdn[param]}" in storage
+        assert "quant_format" not in storage[f"model.language_model.layers.0.linear_attn.{gdn[param]}"]
+
+
+def test_language_model_prefix_matches_exllamav3(tiny):
+    prefixes = {}
+    for node in ast.walk(parse("architecture/qwen3_5.py")):
+        if isinstance(node, ast.ClassDef):
+            for kw in ast.walk(node):
+                if isinstance(kw, ast.keyword) and kw.arg == "key_prefix" and isinstance(kw.value, ast.Constant):
+                    prefixes[node.name] = kw.value.value
+    assert prefixes["Qwen3_5VLModel"]  # the ForConditionalGeneration (VL) model
+    storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    layer_keys = [k for k in storage if ".layers." in k]
+    assert layer_keys and all(k.startswith(prefixes["Qwen3_5VLModel"] + ".layers.") for k in layer_keys)
+
+
+def test_exl3_tensor_names_are_what_exllamav3_loads(tiny):
+    # modules/linear.py loads key + ".trellis" and optional subkeys through opt(".suh") etc.
+    loads = set()
+    for node in ast.walk(parse("modules/linear.py")):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(".") and \
+                node.value[1:] in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale"):
+            loads.add(node.value[1:])
+    assert {"trellis", "suh", "svh", "mcg", "mul1"} <= loads
+    storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    for prefix, entry in storage.items():
+        if entry.get("quant_format") != "exl3":
+            continue
+        names = {n[len(prefix) + 1:] for n in entry["stored_tensors"]}
+        assert "trellis" in names and names <= loads, (prefix, names)
+        assert len(names & {"mcg", "mul1"}) <= 1
+
+
+def test_tensor_storage_entry_fields_match_exllamav3_writer(tiny):
+    # conversion/quant_config.py: module_dict["stored_tensors" | "quant_format" | "bits_per_weight" | ...]
+    fields = set()
+    for node in ast.walk(parse("conversion/quant_config.py")):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "module_dict" \
+                and isinstance(node.slice, ast.Constant):
+            fields.add(node.slice.value)
+    assert {"stored_tensors", "quant_format", "bits_per_weight"} <= fields
+    # loader/safetensors.py list_tensors: {"shape", "n_bytes", "dtype": str(torch dtype)}
+    src = (EXL / "loader" / "safetensors.py").read_text()
+    assert '"dtype": str(dtype)' in src and '"n_bytes": end - beg' in src
+    storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    torch_dtypes = {str(d) for d in (torch.float16, torch.float32, torch.int16, torch.int32, torch.bfloat16)}
+    for entry in storage.values():
+        assert set(entry) <= fields
+        for info in entry["stored_tensors"].values():
+            assert set(info) == {"shape", "n_bytes", "dtype"} and info["dtype"] in torch_dtypes
+        if entry.get("quant_format") == "exl3":
+            assert isinstance(entry["bits_per_weight"], int)
