@@ -143,26 +143,31 @@ def test_binding_site_that_stopped_importing_by_name_is_drifted(aphrodite_copy):
     _check_untouched(aphrodite_copy, ["utils._get_lora_device", "base_linear._get_lora_device"])
 
 
+def _p1_drift_after(site: Path, old: str, new: str) -> str:
+    """Edit the copy's exl3.py, run status in a fresh process: P1 must be DRIFTED; returns its reason."""
+    _edit(site / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py", old, new)
+    code, report = run_status(site)
+    assert code == 1 and by_id(report)["P1"]["status"] == "DRIFTED", by_id(report)["P1"]
+    return by_id(report)["P1"]["reason"]
+
+
 @needs_buggy
 def test_changed_signature_is_drifted_and_left_alone(aphrodite_copy):
-    exl3 = aphrodite_copy / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py"
-    _edit(exl3, "        output_partition_sizes: list[int],\n    ) -> list[str | int | tuple[int, ...] | None]:",
-          "        output_partition_sizes: list[int],\n        lora: bool = False,\n    ) -> list[str | int | tuple[int, ...] | None]:")
-    code, report = run_status(aphrodite_copy)
-    assert code == 1
-    reason = by_id(report)["P1"]["reason"]
-    assert by_id(report)["P1"]["status"] == "DRIFTED" and "lora" in reason, reason
+    reason = _p1_drift_after(
+        aphrodite_copy,
+        "        output_partition_sizes: list[int],\n    ) -> list[str | int | tuple[int, ...] | None]:",
+        "        output_partition_sizes: list[int],\n        lora: bool = False,\n    ) -> list[str | int | tuple[int, ...] | None]:")
+    assert "lora" in reason, reason
     _check_untouched(aphrodite_copy, ["exl3.Exl3LinearMethod._shard_ids_for_layer"])
 
 
 @needs_buggy
 def test_unknown_probe_answer_is_drifted(aphrodite_copy):
-    exl3 = aphrodite_copy / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py"
-    _edit(exl3, "        return list(range(len(output_partition_sizes)))\n\n\nclass Exl3MoEMethod",
-          "        return [str(i) for i in range(len(output_partition_sizes))]\n\n\nclass Exl3MoEMethod")
-    code, report = run_status(aphrodite_copy)
-    assert code == 1 and by_id(report)["P1"]["status"] == "DRIFTED"
-    assert "probe" in by_id(report)["P1"]["reason"]
+    reason = _p1_drift_after(
+        aphrodite_copy,
+        "        return list(range(len(output_partition_sizes)))\n\n\nclass Exl3MoEMethod",
+        "        return [str(i) for i in range(len(output_partition_sizes))]\n\n\nclass Exl3MoEMethod")
+    assert "probe" in reason, reason
 
 
 # -- patches/ ---------------------------------------------------------------------------------
