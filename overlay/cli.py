@@ -72,7 +72,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     try:
-        manifest = write_tiny(args.dir, TinySpec(bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp))
+        spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp)
+        manifest = write_tiny(args.dir, spec)
     except (ValueError, FileExistsError) as exc:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-27b"],
+                      help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks")
     tiny.set_defaults(func=cmd_make_tiny)
     stubs = sub.add_parser("stubs", help="find or generate a libcuda stub for JIT links (WSL2, conda CUDA) and write env.sh",
                            description="Exit 0: stub written and self-checked; 2: bad input or environment (nothing written).")

@@ -147,14 +147,23 @@ def trellis_to_symbols(trellis: torch.Tensor, K: int) -> torch.Tensor:
 
 # -- tiles and matrices --------------------------------------------------------------------
 
-def decode_tiles(trellis: torch.Tensor, K: int, codebook: str) -> torch.Tensor:
-    """(I/16, O/16, 16*K) -> W_rot (I, O) fp16, before the Hadamard transforms and scales."""
+def decode_tiles(trellis: torch.Tensor, K: int, codebook: str, max_chunk_bytes: int = 1 << 28) -> torch.Tensor:
+    """(I/16, O/16, 16*K) -> W_rot (I, O) fp16, before the Hadamard transforms and scales.
+
+    Decodes a band of tile rows at a time so the state windows (16 int64 per weight) stay under
+    ``max_chunk_bytes``: a 5120 x 17408 layer would otherwise need about 11 GB."""
     ti, to, _ = trellis.shape
     lut = codebook_lut(codebook).to(trellis.device)
-    values = lut[states(trellis, K)]  # (ti, to, 256) in position order
-    tiles = torch.empty_like(values)
-    tiles[..., tensor_core_perm().to(trellis.device)] = values
-    return tiles.view(ti, to, 16, 16).permute(0, 2, 1, 3).reshape(ti * 16, to * 16)
+    perm = tensor_core_perm().to(trellis.device)
+    out = torch.empty(ti * 16, to * 16, dtype=torch.float16, device=trellis.device)
+    step = max(1, max_chunk_bytes // (to * 256 * 16 * 8))
+    for a in range(0, ti, step):
+        b = min(ti, a + step)
+        values = lut[states(trellis[a:b], K)]  # (rows, to, 256) in position order
+        tiles = torch.empty_like(values)
+        tiles[..., perm] = values
+        out[a * 16:b * 16] = tiles.view(b - a, to, 16, 16).permute(0, 2, 1, 3).reshape((b - a) * 16, to * 16)
+    return out
 
 
 @lru_cache(maxsize=None)

@@ -65,6 +65,20 @@ class TinySpec:
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "TinySpec":
+        """Named shapes. ``qwen3.6-27b``: the Qwen3.5/3.6-27B layer dimensions (hidden 5120,
+        intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
+        4 layers and a 32768-token vocabulary, for benchmarks at realistic width."""
+        presets = {
+            "tiny": {},
+            "qwen3.6-27b": dict(hidden=5120, intermediate=17408, vocab=32768, heads=24, kv_heads=4, head_dim=256,
+                                gdn_key_heads=16, gdn_value_heads=48, gdn_head_dim=128),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
     def codebook_for(self, index: int) -> str:
         return codec.CODEBOOKS[index % 3] if self.codebook == "mixed" else self.codebook
 

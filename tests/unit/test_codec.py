@@ -128,3 +128,10 @@ def test_decode_tiles_places_positions_by_the_tensor_core_perm():
 def test_misaligned_dimensions_are_rejected():
     with pytest.raises(ValueError, match="multiples of 128"):
         codec.random_exl3_linear(200, 128, 4, "mcg", torch.Generator())
+
+
+def test_banded_decode_equals_whole_decode():
+    tensors = codec.random_exl3_linear(512, 384, 5, "mul1", torch.Generator().manual_seed(3))
+    whole = codec.decode_tiles(tensors["trellis"], 5, "mul1", max_chunk_bytes=1 << 40)
+    banded = codec.decode_tiles(tensors["trellis"], 5, "mul1", max_chunk_bytes=1)  # one tile row at a time
+    assert torch.equal(whole.view(torch.int16), banded.view(torch.int16))
