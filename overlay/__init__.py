@@ -68,7 +68,7 @@ def register() -> None:
     try:
         results = apply_all()
         for result in results:
-            if result.status in (Status.DRIFTED, Status.FAILED):
+            if result.is_problem:
                 logger.warning(
                     "hybrid-exl3-fixes: %s %s %s: %s. The engine runs unpatched for this fix; "
                     "report it with `hybrid-exl3-fixes status --json`.",
@@ -77,7 +77,7 @@ def register() -> None:
             elif result.status is Status.UPSTREAM_FIXED:
                 logger.info("hybrid-exl3-fixes: %s %s is fixed upstream (%s); not patched.",
                             result.patch.id, result.patch.slug, result.patch.upstream)
-        worst = any(r.status in (Status.DRIFTED, Status.FAILED) for r in results)
+        worst = any(r.is_problem for r in results)
         logger.log(logging.WARNING if worst else logging.INFO, "%s", summary(results))
     except Exception:  # pragma: no cover - the last line of defence for the engine
         logger.exception("hybrid-exl3-fixes: unexpected error; the engine runs unpatched")

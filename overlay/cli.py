@@ -42,7 +42,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         loaded_by_aphrodite = len(overlay.REGISTRY.results) == len(overlay.PATCHES)
     results = overlay.status()  # applies here when aphrodite did not (dry runs still probe)
 
-    drifted = any(r.status.value in ("DRIFTED", "FAILED") for r in results)
+    drifted = any(r.is_problem for r in results)
     not_loaded = load_general_plugins is not None and gate is not None
     if args.json:
         print(json.dumps({

@@ -204,7 +204,7 @@ def overlay_status(report: Report) -> None:
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
         return
-    drifted = [r for r in results if r.status.value in ("DRIFTED", "FAILED")]
+    drifted = [r for r in results if r.is_problem]
     report.add("WARN" if drifted else "OK", "overlay", overlay.summary(results))
 
 

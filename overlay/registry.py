@@ -117,6 +117,11 @@ class Result:
     reason: str
     replaced: list[str] = field(default_factory=list)
 
+    @property
+    def is_problem(self) -> bool:
+        """DRIFTED or FAILED: the engine runs without this fix and the user should hear of it."""
+        return self.status in (Status.DRIFTED, Status.FAILED)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "id": self.patch.id,

@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import codec
@@ -63,7 +63,6 @@ class TinySpec:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     tp: int = 2  # the largest tensor-parallel size the checkpoint must split evenly for
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TinySpec":
