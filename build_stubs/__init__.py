@@ -18,6 +18,6 @@ Facts relied on (the project's FACTS.md, "libcuda stubs"):
   ``cuda.h``, from which a stub exporting the driver API (with the ``_v2``/``_ptds`` names) can be made.
 """
 
-from .builder import BuildError, StubResult, build_stubs, find_cuda_headers, find_stub_candidates
+from .builder import BuildError, StubResult, build_stubs, cuda_prefixes, find_cuda_headers, find_stub_candidates
 
-__all__ = ["BuildError", "StubResult", "build_stubs", "find_cuda_headers", "find_stub_candidates"]
+__all__ = ["BuildError", "StubResult", "build_stubs", "cuda_prefixes", "find_cuda_headers", "find_stub_candidates"]

@@ -110,10 +110,11 @@ def read_needed(path: Path, readelf: str) -> list[str]:
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", proc.stdout)
 
 
-def find_stub_candidates(env: dict[str, str], root: Path, readelf: str) -> list[Candidate]:
-    """Every libcuda.so in the stub folders, in search order, each accepted or rejected with a reason."""
+def find_stub_candidates(prefixes: list[tuple[str, Path]], root: Path, readelf: str) -> list[Candidate]:
+    """Every libcuda.so in the stub folders of ``prefixes`` (see cuda_prefixes) and Debian's, in
+    search order, each accepted or rejected with a reason."""
     dirs: list[tuple[str, Path]] = []
-    for origin, prefix in cuda_prefixes(env, root):
+    for origin, prefix in prefixes:
         dirs += [(origin, prefix / sub) for sub in STUB_SUBDIRS]
     dirs.append(("Debian", _under(root, DEBIAN_STUBS)))
     out, seen = [], set()
@@ -127,10 +128,10 @@ def find_stub_candidates(env: dict[str, str], root: Path, readelf: str) -> list[
     return out
 
 
-def find_cuda_headers(env: dict[str, str], root: Path) -> list[Path]:
-    """cuda.h from the toolkits, then the nvidia-cuda-runtime wheels and triton (this Python)."""
+def find_cuda_headers(prefixes: list[tuple[str, Path]], root: Path) -> list[Path]:
+    """cuda.h from the toolkits in ``prefixes``, then the nvidia-cuda-runtime wheels and triton (this Python)."""
     headers: list[Path] = []
-    for _, prefix in cuda_prefixes(env, root):
+    for _, prefix in prefixes:
         headers += [prefix / "include" / "cuda.h", prefix / "targets" / "x86_64-linux" / "include" / "cuda.h"]
     if str(root) == "/":
         for base in sys.path:
@@ -284,11 +285,11 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
         raise BuildError("readelf (binutils) is needed to check ELF files: apt-get install binutils")
     _check_out(out)
 
-    candidates = find_stub_candidates(env, root, readelf)
+    prefixes = cuda_prefixes(env, root)
+    candidates = find_stub_candidates(prefixes, root, readelf)
     chosen = next((c for c in candidates if c.ok), None)
     rejected = [c for c in candidates if not c.ok]
     cc = _compiler(env)
-    prefixes = cuda_prefixes(env, root)
     cuda_home = prefixes[0][1] if prefixes else None
 
     # Everything is staged inside the output folder and moved into place at the end: a failure
@@ -307,7 +308,7 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
             shutil.copyfile(chosen.path, stage_lib)
             source, symbols = f"copied from {chosen.path} ({chosen.origin})", None
         else:
-            headers = find_cuda_headers(env, root)
+            headers = find_cuda_headers(prefixes, root)
             if not headers:
                 detail = "".join(f"\n  rejected {c.path}: {c.reason}" for c in rejected)
                 raise BuildError("no usable libcuda stub and no cuda.h to generate one from. Install a CUDA toolkit, or "

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_exl3_fixes.build_stubs import BuildError, build_stubs, find_cuda_headers
+from hybrid_exl3_fixes.build_stubs import BuildError, build_stubs, cuda_prefixes, find_cuda_headers
 from hybrid_exl3_fixes.build_stubs.builder import driver_symbols
 
 pytestmark = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("readelf")),
                                 reason="needs gcc and readelf (apt-get install gcc binutils)")
 SYSTEM_PATH = "/usr/bin:/bin"
-REAL_HEADERS = find_cuda_headers(dict(os.environ), Path("/"))
+REAL_HEADERS = find_cuda_headers(cuda_prefixes(dict(os.environ), Path("/")), Path("/"))
 needs_header = pytest.mark.skipif(not REAL_HEADERS, reason="no real cuda.h here (CUDA toolkit, nvidia-cuda-runtime or triton)")
 
 
