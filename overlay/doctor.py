@@ -19,9 +19,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .exl3 import HAD, splits_into_blocks
+
 GIB = 1 << 30
 MIB = 1 << 20
-HAD = 128
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 TOKENIZER_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 KNOWN_ARCHS = {
@@ -163,7 +164,7 @@ def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, di
             bad.append(f"{prefix} {fin}x{fout} not 128-aligned")
             continue
         for split in splits:
-            if tp > 1 and (split % tp or (split // tp) % HAD):
+            if not splits_into_blocks(split, tp):
                 bad.append(f"{prefix}: {split} / TP {tp} = {split / tp:g} is not a multiple of {HAD}")
                 break
     if bad:

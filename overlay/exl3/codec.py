@@ -32,10 +32,11 @@ from functools import lru_cache
 
 import torch
 
+from . import HAD
+
 CODEBOOKS = ("3inst", "mcg", "mul1")
 MCG_MULT = 0xCBAC1FED
 MUL1_MULT = 0x83DCD12D
-HAD = 128
 _MASK32 = 0xFFFFFFFF
 
 

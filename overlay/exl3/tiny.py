@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import codec
+from . import codec, splits_into_blocks
 
 EXL3_SUFFIXES = (
     "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
@@ -99,7 +99,7 @@ def _check(spec: TinySpec) -> None:
         "GDN value dim": spec.gdn_value_heads * spec.gdn_head_dim,
     }
     for name, size in split.items():
-        if size % (codec.HAD * spec.tp):
+        if not splits_into_blocks(size, spec.tp):
             raise ValueError(
                 f"{name} = {size} is not a multiple of {codec.HAD} x TP {spec.tp} = {codec.HAD * spec.tp}: a "
                 f"tensor-parallel split would cut a {codec.HAD}-wide Hadamard block")
