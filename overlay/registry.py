@@ -10,7 +10,8 @@ nothing (as gevent.monkey's ``saved``).
 Statuses:
   APPLIED         the probe found the bug, the replacement is installed and the probe now passes.
   UPSTREAM_FIXED  the probe says the installed code is already right: nothing is replaced.
-  NOT_APPLICABLE  aphrodite is not installed (or the feature is absent): nothing to do.
+  NOT_APPLICABLE  aphrodite is not installed, or the probe found the feature absent (no compiled
+                  kernels): nothing to do.
   DRIFTED         a target is missing, or its shape differs from what the patch was written
                   against: nothing is replaced, a WARNING names what differed, the engine runs on.
   DISABLED        switched off by HYBRID_EXL3_FIXES_DISABLE.
@@ -49,6 +50,11 @@ class Status(str, enum.Enum):
 
 class Drift(Exception):
     """A target is not what the patch was written against; the message says what differs."""
+
+
+class NotApplicable(Exception):
+    """Raised by a probe when the feature the patch fixes is absent from this install (for
+    example no compiled kernels); the message says what is missing."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,8 @@ class Registry:
             has_bug = patch.probe(live)
         except Drift as exc:
             return Result(patch, Status.DRIFTED, f"probe: {exc}")
+        except NotApplicable as exc:
+            return Result(patch, Status.NOT_APPLICABLE, str(exc))
         except Exception as exc:
             return Result(patch, Status.DRIFTED, f"probe raised {type(exc).__name__}: {exc}")
         if not has_bug:

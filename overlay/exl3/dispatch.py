@@ -1,0 +1,240 @@
+"""How Aphrodite's compiled EXL3 GEMM picks its kernel, and the plan that keeps mixed codebooks right.
+
+Torch-free, so ``status`` and the CPU tests use it without a GPU. Facts read from the wheels'
+binaries (``objdump -d`` of ``aphrodite/_C.abi3.so``; docs/upstream/exl3-gemm-codebook-cache.md
+has the listing and the commands):
+
+* 0.20.0 and 0.21.0: ``exl3_gemm_gr`` (the op behind ``ops.exl3_gemm``, which
+  ``_exl3_linear_one`` uses for <= 32 rows) calls ``select_exl3_gemm_mgemm_kernel_new``. That
+  function caches its choice in ``_tuning_cache`` under
+  ``size_k << 40 | size_n << 16 | cc << 8 | K << 4 | c_fp32`` -- no codebook -- and stores the
+  kernel pointer of the codebook of the *first* call. Every later call with the same
+  ``(size_k, size_n, K)`` on a device of the same compute class launches that kernel.
+  Upstream source: csrc/quantization/exl3/exllamav3_ext/quant/exl3_kernel_map.cu.
+* With ``force_shape_idx > 0`` and ``force_num_sms > 0`` the same function skips the cache and
+  takes the kernel for the caller's codebook (``get_gemm_kernel_ptr(K, shape, c_fp32, cb)``).
+* ``exl3_mgemm`` (fused gate/up and k/v at <= 32 rows) calls ``select_exl3_mgemm_kernel``,
+  which has no cache and takes the codebook: unaffected.
+* 0.24.1 replaced the cache with an autotuner keyed by
+  ``gemm_autotune_hash(size_m, size_k, size_n, K, c_fp32, device, cc, max_num_sms, cb)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Aphrodite sends at most this many rows to exl3_gemm (_exl3_linear_one); more rows take
+# exl3_reconstruct + exl3_hgemm, which is right for every codebook.
+SMALL_BATCH_ROWS = 32
+
+# Extension modules that may hold the EXL3 kernels (0.20/0.21: _C; 0.24: _C_stable_libtorch).
+KERNEL_MODULES = ("aphrodite._C", "aphrodite._C_stable_libtorch")
+CODEBOOK_BLIND = "codebook-blind"
+CODEBOOK_KEYED = "codebook-keyed"
+# select_exl3_gemm_mgemm_kernel_new(int cc, int m, int k, int n, int K, bool c_fp32,
+#                                   int force_shape_idx, int force_num_sms, int cb)
+BLIND_SYMBOL = b"_Z33select_exl3_gemm_mgemm_kernel_newiiiiibiii"
+# gemm_autotune_hash(int m, int k, int n, int K, bool c_fp32, int device, int cc, int sms, int cb)
+KEYED_SYMBOL = b"_Z18gemm_autotune_hashiiiibiiii"
+
+# EXL3_GEMM_TILESIZE_K / _N of exl3_kernel_map.cuh, index = shape_idx (0 unused); the same
+# numbers are the exl3_gemm_tilesize_k/_n arrays in 0.21.0's _C.abi3.so .data section.
+TILE_K = (0, 16, 32, 32, 16)
+TILE_N = (0, 128, 128, 256, 512)
+
+
+class KernelLibraryError(Exception):
+    """The kernel library is there but is not an ELF file this module can read."""
+
+
+def dynamic_strings(path: str | Path) -> bytes:
+    """The ``.dynstr`` section of a 64-bit little-endian ELF shared object (0.5 MB for 0.21's
+    _C.abi3.so, read without loading the library or touching the rest of its 97 MB)."""
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            raise KernelLibraryError(f"{path} is not a 64-bit little-endian ELF file")
+        shoff, = struct.unpack_from("<Q", header, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQII", table, i * shentsize) for i in range(shnum)]
+        for _name, sh_type, _flags, _addr, _offset, _size, link, _info in sections:
+            if sh_type == 11:  # SHT_DYNSYM; sh_link names its string table
+                strtab = sections[link]
+                f.seek(strtab[4])
+                return f.read(strtab[5])
+    raise KernelLibraryError(f"{path} has no dynamic symbol table")
+
+
+def classify_library(path: str | Path) -> str | None:
+    """CODEBOOK_BLIND, CODEBOOK_KEYED, or None when the library holds no EXL3 GEMM dispatch."""
+    names = dynamic_strings(path)
+    if b"\0" + BLIND_SYMBOL + b"\0" in names:
+        return CODEBOOK_BLIND
+    if b"\0" + KEYED_SYMBOL + b"\0" in names:
+        return CODEBOOK_KEYED
+    return None
+
+
+def installed_kernel_libraries() -> list[Path]:
+    """The compiled extension files of the importable aphrodite (found, not loaded)."""
+    found = []
+    for name in KERNEL_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            found.append(Path(spec.origin))
+    return found
+
+
+def classify_build(libraries: list[Path]) -> tuple[str | None, str]:
+    """(verdict, evidence) for the EXL3 GEMM dispatch of these libraries; verdict None with no
+    EXL3 dispatch in any of them (or no libraries at all)."""
+    unknown = []
+    for lib in libraries:
+        verdict = classify_library(lib)
+        if verdict is not None:
+            return verdict, f"{lib.name}: {(BLIND_SYMBOL if verdict == CODEBOOK_BLIND else KEYED_SYMBOL).decode()}"
+        unknown.append(lib.name)
+    return None, f"no EXL3 GEMM dispatch symbol in {', '.join(unknown) or 'any compiled extension'}"
+
+
+# -- choosing a forced launch --------------------------------------------------------------------
+
+def compute_class(major: int, minor: int) -> str:
+    """exllamav3's device classes (exl3_devctx.cu): old/ampere, ada (8.9), hopper (9.x),
+    blackwell (10+)."""
+    if major >= 10:
+        return "blackwell"
+    if major == 9:
+        return "hopper"
+    if (major, minor) == (8, 9):
+        return "ada"
+    return "ampere"
+
+
+def heuristic_shape(cc: str, k: int, n: int, K: int) -> int:
+    """``select_gemm_shape`` of exllamav3's exl3_kernel_map.cu (single matrix), by device class."""
+    mod_256, mod_512 = n % 256 == 0, n % 512 == 0
+    if cc == "ampere":
+        if mod_256 and K <= 4:
+            return 2 if (n <= 2048 or k <= 2048) else 3
+        if mod_256 and n < 4096:
+            return 3 if k > 8192 else 2
+        if mod_512 and n * k > 4096 * 4096 and K <= 6:
+            return 4
+        return 3 if mod_256 else 2
+    if cc == "ada":
+        if mod_256 and K <= 3:
+            if k <= 2048:
+                return 2
+            return 2 if (n < 4096 and k <= 12288) else 3
+        if n <= 16384:
+            return 2
+        if mod_512 and n >= 32768:
+            return 4
+        return 3 if mod_256 else 2
+    if K in (2, 4) and k <= 2048:
+        return 1
+    if K >= 7:
+        if mod_256 and n <= 8192:
+            return 3 if k > 32768 else 2
+        return 4 if (mod_512 and n > 32768) else 2
+    if mod_256 and n <= 4096:
+        return 3 if (k > 8192 and K >= 3) else 2
+    if mod_512 and n > 16384:
+        return 4
+    return 3 if mod_256 else 2
+
+
+def shape_fits(shape_idx: int, k: int, n: int) -> bool:
+    return k % TILE_K[shape_idx] == 0 and n % TILE_N[shape_idx] == 0
+
+
+def forced_launch(cc: str, k: int, n: int, K: int, device_sms: int) -> tuple[int, int] | None:
+    """(force_shape_idx, force_num_sms) for exl3_gemm's uncached path, or None when no kernel
+    shape tiles this layer (then only the reconstruct path is left).
+
+    Any tiling shape is a correct kernel for every codebook (0.24.1's autotuner launches each
+    one in turn); the choice only affects speed: exllamav3's shape heuristic, one block per
+    tile up to one per SM (bench/exl3_codebook_cache.py measures it against the cached path)."""
+    preferred = heuristic_shape(cc, k, n, K)
+    for shape_idx in (preferred, 2, 3, 1, 4):
+        if shape_fits(shape_idx, k, n):
+            slices = (k // TILE_K[shape_idx]) * (n // TILE_N[shape_idx])
+            return shape_idx, max(1, min(slices, device_sms))
+    return None
+
+
+# -- the load-time plan ----------------------------------------------------------------------------
+
+GemmKey = tuple[int, int, int]  # (in_features, out_features, K) as exl3_gemm's cache sees them
+
+
+def gemm_key(trellis_shape: tuple[int, ...]) -> GemmKey:
+    """The cache key of a trellis ``(in/16, out/16, 16*K)`` (compute class and fp16 output are
+    the same for every layer of one process)."""
+    return trellis_shape[0] * 16, trellis_shape[1] * 16, trellis_shape[2] // 16
+
+
+@dataclass
+class Planner:
+    """Which codebook owns each exl3_gemm cache key in this process.
+
+    The first layer (or the probe) that claims a key owns it and keeps the native, cached path;
+    a later layer with the same key and another codebook is routed around the cache. Since only
+    owners ever call the cached path, the cache entry is the owner's whatever order the layers
+    first run in."""
+
+    owners: dict[GemmKey, tuple[str, str]] = field(default_factory=dict)  # key -> (codebook, owner)
+    routed: list[str] = field(default_factory=list)
+
+    def conflicts_with(self, key: GemmKey, codebook: str) -> tuple[str, str] | None:
+        owner = self.owners.get(key)
+        return owner if owner is not None and owner[0] != codebook else None
+
+    def claim(self, key: GemmKey, codebook: str, name: str) -> tuple[str, str] | None:
+        """Claim ``key`` for ``codebook``; returns the conflicting owner, or None (owner now or before)."""
+        conflict = self.conflicts_with(key, codebook)
+        if conflict is None:
+            self.owners.setdefault(key, (codebook, name))
+        else:
+            self.routed.append(name)
+        return conflict
+
+
+# -- reading the runtime probe --------------------------------------------------------------------
+
+# Relative error of fp16 EXL3 GEMMs against the reconstruct path is about 5e-4 (FACTS.md); a
+# wrong codebook gives about 1.4 (3INST) to 1.6 (mul1). Anything between is neither answer.
+SAME = 2e-2
+DIFFERENT = 0.5
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    codebook_blind: bool | None  # None: the kernels answered neither way; route nothing
+    forced_ok: bool
+    detail: str
+
+
+def read_probe(errors: dict[str, float]) -> ProbeVerdict:
+    """Decide from the probe's relative errors (all at <= 32 rows, one key, run in this order:
+    ``first`` (mcg), then ``second`` (mul1) against its own and against the first codebook's
+    reference, then ``forced_<codebook>`` for each codebook through the uncached path)."""
+    detail = ", ".join(f"{k}={v:.3g}" for k, v in errors.items())
+    forced_ok = all(v < SAME for k, v in errors.items() if k.startswith("forced_")) and any(
+        k.startswith("forced_") for k in errors)
+    if errors["first"] >= SAME:
+        return ProbeVerdict(None, forced_ok, "the first small-batch GEMM already disagrees with the reconstruct path: " + detail)
+    if errors["second"] < SAME:
+        return ProbeVerdict(False, forced_ok, detail)
+    if errors["second"] > DIFFERENT and errors["second_vs_first"] < SAME:
+        return ProbeVerdict(True, forced_ok, detail)
+    return ProbeVerdict(None, forced_ok, "the second codebook matched neither reference: " + detail)
