@@ -3,6 +3,8 @@
 # extensions (they need a GPU and are 200+ MB): .cache/aphrodite/<version>/{aphrodite,*.dist-info}.
 # Tests pick a version with PYTHONPATH=.cache/aphrodite/<version>; the dist-info makes
 # importlib.metadata.version("aphrodite-engine") answer as for a pip install.
+# The libraries that hold the EXL3 kernels go to .cache/aphrodite-kernels/<version>/aphrodite/,
+# outside the importable tree, for the tests that read their kernel dispatch (P3) without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS="${*:-0.20.0 0.21.0 0.24.1}"
@@ -12,12 +14,14 @@ for v in $VERSIONS; do
   [ -f "$dest/.ok" ] && continue
   ls .cache/wheels/aphrodite_engine-"$v"-*.whl >/dev/null 2>&1 ||
     python -m pip download -q --no-deps -d .cache/wheels "aphrodite-engine==$v"
-  rm -rf "$dest"; mkdir -p "$dest"
+  rm -rf "$dest" ".cache/aphrodite-kernels/$v"; mkdir -p "$dest"
   python - "$dest" .cache/wheels/aphrodite_engine-"$v"-*.whl <<'PY'
 import sys, zipfile
 dest, whl = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(whl) as z:
     z.extractall(dest, [n for n in z.namelist() if not n.endswith(".so")])
+    kernels = dest.replace("/aphrodite/", "/aphrodite-kernels/")
+    z.extractall(kernels, [n for n in z.namelist() if n.startswith("aphrodite/_C") and n.endswith(".so")])
 PY
   touch "$dest/.ok"
   echo "aphrodite-engine $v unpacked into $dest"

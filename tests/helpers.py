@@ -61,3 +61,32 @@ def run_status(pythonpath: Path | str | None, **extra: str) -> tuple[int, dict]:
 
 def by_id(report: dict) -> dict[str, dict]:
     return {p["id"]: p for p in report["patches"]}
+
+
+def exl3_linear_layer(exl3, method, prefix: str, shards: dict, device: str = "cpu"):
+    """A loaded EXL3 linear as ``create_weights`` (TP=1) and the checkpoint loader leave it: the
+    real ``Exl3Parameter``s, filled through aphrodite's own ``_exl3_weight_loader``.
+
+    ``shards``: {shard id: tensors of ``codec.random_exl3_linear``} in the layer's shard order
+    (``None`` for a single-shard layer). ``create_weights`` itself needs CUDA and the TP group,
+    so its bookkeeping is replayed here."""
+    import torch
+
+    layer = torch.nn.Module()
+    layer.prefix = prefix
+    first = next(iter(shards.values()))
+    in_features = first["trellis"].shape[0] * 16
+    outs = [t["trellis"].shape[1] * 16 for t in shards.values()]
+    layer.exl3_tp_rank, layer.exl3_tp_size = 0, 1
+    layer.exl3_input_size = layer.input_size_per_partition = in_features
+    layer.exl3_output_size, layer.exl3_output_partition_sizes = sum(outs), outs
+    layer.exl3_shard_ids = list(shards)
+    layer.exl3_parallel_mode = "column"
+    for name in ("suh", "svh", "trellis", "mcg", "mul1"):
+        param = exl3.Exl3Parameter.__new__(exl3.Exl3Parameter, weight_loader=exl3._exl3_weight_loader)
+        param.exl3_tensors = {}
+        layer.register_parameter(name, param)
+    for shard_id, tensors in shards.items():
+        for name, tensor in tensors.items():
+            exl3._exl3_weight_loader(getattr(layer, name), tensor.to(device), shard_id)
+    return layer

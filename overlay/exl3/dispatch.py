@@ -34,6 +34,7 @@ SMALL_BATCH_ROWS = 32
 KERNEL_MODULES = ("aphrodite._C", "aphrodite._C_stable_libtorch")
 CODEBOOK_BLIND = "codebook-blind"
 CODEBOOK_KEYED = "codebook-keyed"
+UNKNOWN_DISPATCH = "unknown-dispatch"
 # select_exl3_gemm_mgemm_kernel_new(int cc, int m, int k, int n, int K, bool c_fp32,
 #                                   int force_shape_idx, int force_num_sms, int cb)
 BLIND_SYMBOL = b"_Z33select_exl3_gemm_mgemm_kernel_newiiiiibiii"
@@ -71,13 +72,14 @@ def dynamic_strings(path: str | Path) -> bytes:
 
 
 def classify_library(path: str | Path) -> str | None:
-    """CODEBOOK_BLIND, CODEBOOK_KEYED, or None when the library holds no EXL3 GEMM dispatch."""
+    """CODEBOOK_BLIND, CODEBOOK_KEYED, UNKNOWN_DISPATCH (EXL3 GEMM code, neither known dispatch),
+    or None when the library holds no EXL3 GEMM at all."""
     names = dynamic_strings(path)
     if b"\0" + BLIND_SYMBOL + b"\0" in names:
         return CODEBOOK_BLIND
     if b"\0" + KEYED_SYMBOL + b"\0" in names:
         return CODEBOOK_KEYED
-    return None
+    return UNKNOWN_DISPATCH if b"exl3_gemm" in names else None
 
 
 def installed_kernel_libraries() -> list[Path]:
@@ -94,15 +96,17 @@ def installed_kernel_libraries() -> list[Path]:
 
 
 def classify_build(libraries: list[Path]) -> tuple[str | None, str]:
-    """(verdict, evidence) for the EXL3 GEMM dispatch of these libraries; verdict None with no
-    EXL3 dispatch in any of them (or no libraries at all)."""
-    unknown = []
+    """(verdict, evidence) for the EXL3 GEMM of these libraries: CODEBOOK_BLIND, CODEBOOK_KEYED,
+    UNKNOWN_DISPATCH, or None with no EXL3 GEMM in any of them (or no libraries at all)."""
     for lib in libraries:
         verdict = classify_library(lib)
-        if verdict is not None:
-            return verdict, f"{lib.name}: {(BLIND_SYMBOL if verdict == CODEBOOK_BLIND else KEYED_SYMBOL).decode()}"
-        unknown.append(lib.name)
-    return None, f"no EXL3 GEMM dispatch symbol in {', '.join(unknown) or 'any compiled extension'}"
+        if verdict in (CODEBOOK_BLIND, CODEBOOK_KEYED):
+            return verdict, f"{lib.name} defines {(BLIND_SYMBOL if verdict == CODEBOOK_BLIND else KEYED_SYMBOL).decode()}"
+        if verdict == UNKNOWN_DISPATCH:
+            return verdict, (f"{lib.name} has EXL3 GEMM code but neither {BLIND_SYMBOL.decode()} (0.20/0.21) "
+                             f"nor {KEYED_SYMBOL.decode()} (0.24)")
+    names = ", ".join(lib.name for lib in libraries) or "none found"
+    return None, f"no EXL3 GEMM in the compiled extensions ({names})"
 
 
 # -- choosing a forced launch --------------------------------------------------------------------

@@ -120,7 +120,9 @@ def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
     codebook-blind cache is a bug until this patch plans the loads; True = buggy."""
     verdict, evidence = dispatch.classify_build(dispatch.installed_kernel_libraries())
     if verdict is None:
-        raise NotApplicable(f"no compiled EXL3 GEMM in this aphrodite install ({evidence})")
+        raise NotApplicable(evidence)
+    if verdict == dispatch.UNKNOWN_DISPATCH:
+        raise Drift(evidence)
     if verdict == dispatch.CODEBOOK_KEYED:
         return False
     return getattr(live[PROCESS_WEIGHTS.key].function, MARKER, None) != "P3"
