@@ -29,6 +29,9 @@ _NO_APHRODITE = "aphrodite-engine not importable in this run (ci/test.sh runs ea
 needs_aphrodite = pytest.mark.skipif(not HAS_APHRODITE, reason=_NO_APHRODITE)
 needs_buggy = pytest.mark.skipif(not HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
                                  f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)")
+# The per-version trees hold no compiled extensions, so P3 (which reads the kernel library) has
+# nothing to patch there; test_p3_gemm_cache.py gives a copy the release's real library.
+NO_KERNELS = "NOT_APPLICABLE"
 needs_fixed = pytest.mark.skipif(not HAS_APHRODITE or HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
                                  f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes")
 

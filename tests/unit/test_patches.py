@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import APHRODITE_VERSION, needs_aphrodite, needs_buggy, needs_fixed
+from helpers import APHRODITE_VERSION, NO_KERNELS, needs_aphrodite, needs_buggy, needs_fixed
 
 pytestmark = needs_aphrodite
 
@@ -167,7 +167,7 @@ def _dense_base():
 
 @needs_buggy
 def test_probes_report_the_bugs_and_apply_clears_them(overlay):
-    results = overlay.apply_all()
+    results = [r for r in overlay.apply_all() if r.patch.id != "P3"]  # P3: test_p3_gemm_cache.py
     assert [(r.patch.id, r.status.value) for r in results] == [("P1", "APPLIED"), ("P2", "APPLIED"), ("P2b", "APPLIED")]
     # the registry re-probes after patching; here the probes are asked directly as well
     from hybrid_exl3_fixes.registry import Registry
@@ -209,7 +209,8 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     from hybrid_exl3_fixes.registry import Registry
 
     fresh = Registry(overlay.PATCHES)
-    assert {fresh.apply(p).reason for p in overlay.PATCHES} == {"already patched in this process"}
+    # (P3 has nothing to patch in this CI tree: no compiled kernels; see test_p3_gemm_cache.py)
+    assert {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3"} == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
     assert overlay.undo_all() == ["P2b", "P2", "P1"]
@@ -224,7 +225,7 @@ def test_disable_switch(overlay, monkeypatch):
     original = vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"]
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P1")
     results = {r.patch.id: r.status.value for r in overlay.apply_all()}
-    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED"}
+    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS}
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
     overlay.REGISTRY.results.clear()
