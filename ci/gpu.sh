@@ -20,7 +20,10 @@ fi
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
   python3 -c "import aphrodite, torch; print('aphrodite', aphrodite.__version__, 'torch', torch.__version__)"
   python3 -m hybrid_exl3_fixes.cli status
-  python3 -m pytest -v -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu-junit.xml" tests/gpu "$@"
+  [ $# -gt 0 ] || set -- tests/gpu tests/upstream  # the drop-in upstream tests include a GPU one (P3)
+  # HXF_PYTEST_TIMEOUT: stop with SIGINT in time for pytest to write its report (device calls are capped)
+  timeout -s INT "${HXF_PYTEST_TIMEOUT:-86400}" python3 -m pytest -v -p no:cacheprovider -o addopts="" \
+    --junitxml="$OUT/gpu-junit.xml" "$@"
 } 2>&1 | tee "$OUT/gpu.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_summary.py "$OUT/gpu-junit.xml" "$HXF_GPU_RESULTS" > "$OUT/gpu-results.md" || true

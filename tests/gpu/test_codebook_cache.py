@@ -67,8 +67,8 @@ SCENARIOS = {
     "same-key": calls(["mcg", "mul1", "3inst", "mcg", "3inst"], A),
     # the same shape at another K is another key
     "K-in-key": calls(["mcg", "mul1", "mul1", "mcg"], [(1024, 2048, 3), (1024, 2048, 4), (1024, 2048, 3), (1024, 2048, 4)]),
-    # in/out swapped at one K is another key
-    "shape-in-key": calls(["mcg", "mul1"], [(1024, 2048, 4), (2048, 1024, 4)]),
+    # another shape at the same K is another key
+    "shape-in-key": calls(["mcg", "mul1", "mul1"], [(1024, 2048, 4), (2048, 1024, 4), (1024, 2048, 4)]),
     # rows are not in the key; 33 rows take the reconstruct path
     "rows-not-in-key": calls(["mcg", "mul1", "mul1", "mul1", "mul1"], A, rows=[1, 2, 8, 32, 33]),
     # a float32 output is another key (and is itself codebook-blind)
@@ -79,11 +79,54 @@ SCENARIOS = {
     "forced-uncached": calls(["mcg", "mul1", "3inst", "mcg"], A, path=["linear_one", "forced", "forced", "forced"]),
 }
 
+LAYER_ORDERS = {f"issue-order-{i + 1}": calls(list(o), [A, B, A, B], path="layer") for i, o in enumerate(ISSUE_ORDERS)}
+LAYER_ORDERS["same-key-all-rows"] = calls(["mcg", "mul1", "3inst", "mul1", "3inst"], A, path="layer", rows=[4, 1, 32, 33, 8])
+
+
+def own_shapes(sequence, j):
+    """Scenario j's calls on shapes of its own (out + 256 j), so scenarios can share a process
+    without sharing a cache key; relations inside the scenario are kept."""
+    return [{**c, "n": c["n"] + 256 * j} for c in sequence]
+
+
+def run_grouped(scenarios, workdir, name, overlay=False, alone=()):
+    """Run the scenarios named in ``alone`` each in a fresh process and the rest together in
+    one (on shapes of their own); returns {scenario: list of call results}."""
+    results, shared, spans = {}, [], {}
+    for j, (key, sequence) in enumerate(scenarios.items()):
+        if key in alone:
+            results[key] = run_case(sequence, workdir, f"{name}-{key}", overlay)
+            continue
+        moved = own_shapes(sequence, j)
+        spans[key] = (len(shared), len(moved), moved)
+        shared += moved
+    if shared:
+        together = run_case(shared, workdir, f"{name}-together", overlay)
+        for key, (first, count, moved) in spans.items():
+            results[key] = {**together, "calls": together["calls"][first:first + count], "sequence": moved}
+    for key, sequence in scenarios.items():
+        results[key].setdefault("sequence", sequence)
+    return results
+
+
+ISSUE = [f"issue-order-{i + 1}" for i in range(3)]  # with the issue's exact shapes: a process each
+
+
+@pytest.fixture(scope="module")
+def before(workdir):
+    return run_grouped(SCENARIOS, workdir, "before", alone=ISSUE)
+
+
+@pytest.fixture(scope="module")
+def layers(workdir):
+    return {"before": run_grouped(LAYER_ORDERS, workdir, "layers-before"),
+            "after": run_grouped(LAYER_ORDERS, workdir, "layers-after", overlay=True)}
+
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_cache_key_before(name, workdir, record):
-    sequence = SCENARIOS[name]
-    result = run_case(sequence, workdir, f"before-{name}")
+def test_cache_key_before(name, before, record):
+    result = before[name]
+    sequence = result["sequence"]
     observed = [c["decoded_as"] for c in result["calls"]]
     record(f"P3 before: {name}", calls=table(result), predicted=" ".join(predict(sequence)))
     assert observed == predict(sequence), table(result)
@@ -92,20 +135,15 @@ def test_cache_key_before(name, workdir, record):
             assert c["second_matrix_decoded_as"] == c["codebook"], c
 
 
-LAYER_ORDERS = {f"issue-order-{i + 1}": calls(list(o), [A, B, A, B], path="layer") for i, o in enumerate(ISSUE_ORDERS)}
-LAYER_ORDERS["same-key-all-rows"] = calls(["mcg", "mul1", "3inst", "mul1", "3inst"], A, path="layer", rows=[4, 1, 32, 33, 8])
-
-
 @pytest.mark.parametrize("name", list(LAYER_ORDERS))
-def test_layers_before_and_after(name, workdir, record):
+def test_layers_before_and_after(name, layers, record):
     """Real Exl3LinearMethod layers loaded one after another: wrong without P3 exactly as the
     model predicts; with the overlay every layer decodes with its own codebook."""
-    sequence = LAYER_ORDERS[name]
-    before = run_case(sequence, workdir, f"layers-before-{name}")
-    after = run_case(sequence, workdir, f"layers-after-{name}", overlay=True)
+    before, after = layers["before"][name], layers["after"][name]
+    sequence = after["sequence"]
     record(f"P3 layers: {name}", before=table(before), after=table(after),
            routed=[c["routed"] for c in after["calls"]], probe=after["p3_probe"])
-    assert [c["decoded_as"] for c in before["calls"]] == predict(sequence)
+    assert [c["decoded_as"] for c in before["calls"]] == predict(before["sequence"])
     assert [c["decoded_as"] for c in after["calls"]] == [c["codebook"] for c in sequence], table(after)
     assert all(c["rel_err"] < 5e-3 for c in after["calls"]), table(after)
     assert all(v["codebook_blind"] and v["forced_ok"] for v in after["p3_probe"].values()), after["p3_probe"]
