@@ -74,7 +74,7 @@ def main() -> None:
                 launch = dispatch.forced_launch(cc, k, n, K, sms)
                 timings["p3_forced"] = lambda launch=launch: routed(x, trellis, suh, svh, *cb, *launch)
                 timings["reconstruct"] = lambda: routed(x, trellis, suh, svh, *cb, 0, 0)
-                result = {name: do_bench(fn, warmup=20, rep=100, quantiles=[0.5])[0] * 1e3 for name, fn in timings.items()}
+                result = {name: do_bench(fn, warmup=20, rep=100, quantiles=[0.5]) * 1e3 for name, fn in timings.items()}
                 sweep = {}
                 for shape_idx in range(1, 5):
                     if not dispatch.shape_fits(shape_idx, k, n):
@@ -84,7 +84,7 @@ def main() -> None:
                         num = max(1, min(slices, int(sms * frac)))
                         sweep[f"{shape_idx}/{num}"] = do_bench(
                             lambda s=shape_idx, m=num: routed(x, trellis, suh, svh, *cb, s, m),
-                            warmup=10, rep=50, quantiles=[0.5])[0] * 1e3
+                            warmup=10, rep=50, quantiles=[0.5]) * 1e3
                 best = min(sweep, key=sweep.get)
                 result["forced_best"] = sweep[best]
                 for path, us in result.items():

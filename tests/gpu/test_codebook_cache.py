@@ -192,8 +192,10 @@ TOLERANCE = 0.15
 @pytest.mark.parametrize("p3", ["on", "off"])
 def test_mixed_codebook_model_end_to_end(p3, tiny_mixed, prompt_ids, mixed_reference, workdir, record):
     logprobs, greedy = mixed_reference
+    # One prompt per batch: each prefill stays within the <= 32-row GEMM (three prompts in one
+    # batch take the reconstruct path for the prefill, right in any case; decoding is <= 32 rows).
     case = {"model": str(tiny_mixed / "exl3"), "quantization": "exl3", "enable_lora": False, "prompts": prompt_ids,
-            "loras": [None] * len(prompt_ids), "tp": 1}
+            "loras": [None] * len(prompt_ids), "tp": 1, "batches": [[i] for i in range(len(prompt_ids))]}
     result = run_engine(case, workdir, f"mixed-p3-{p3}", {"HYBRID_EXL3_FIXES_DISABLE": "P3"} if p3 == "off" else {})
     assert result["ok"], result.get("error", "") + result["output"][-3000:]
     cmps = [compare(out["prompt_logprobs"], logprobs[out["index"]]) for out in result["outputs"]]
@@ -208,4 +210,5 @@ def test_mixed_codebook_model_end_to_end(p3, tiny_mixed, prompt_ids, mixed_refer
         assert all(same_greedy), (result["outputs"], greedy)
         assert warned
     else:
-        assert worst > TOLERANCE, cmps  # layers ran other codebooks' kernels
+        # layers ran other codebooks' kernels (H200, 2026-11-30: max |d| 0.44, greedy 1 of 3 equal)
+        assert worst > TOLERANCE and not all(same_greedy), (cmps, same_greedy)
