@@ -123,9 +123,12 @@ def hf_config(spec: TinySpec) -> dict:
                             "mrope_section": mrope, "mrope_interleaved": True},
         "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "dtype": "float16",
     }
+    # deepstack_visual_indexes and hidden_act: exllamav3's Qwen3.5 config reader requires them
+    # (read_qwen3_vl_vision_config, no default), as the published Qwen3.5 configs carry them.
     vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128, "intermediate_size": 256,
               "num_heads": 2, "out_hidden_size": spec.hidden, "num_position_embeddings": 64, "patch_size": 16,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+              "deepstack_visual_indexes": [], "hidden_act": "gelu_pytorch_tanh"}
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
         "text_config": text, "vision_config": vision,
@@ -150,6 +153,13 @@ def _linear_shapes(spec: TinySpec) -> dict[str, tuple[int, int]]:
         "mlp.gate_proj": (spec.hidden, spec.intermediate), "mlp.up_proj": (spec.hidden, spec.intermediate),
         "mlp.down_proj": (spec.intermediate, spec.hidden),
     }
+
+
+# The image processor config a Qwen3.5 checkpoint ships; exllamav3's Qwen3.5 config reader opens it
+# (read_qwen3_vl_pp_config) even for text-only use.
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"shortest_edge": 65536,
+                "longest_edge": 16777216}, "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def _tokenizer_files(dest: Path, vocab_size: int) -> None:
@@ -287,6 +297,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
     for d in (exl3_dir, dense_dir):
         d.mkdir()
         _tokenizer_files(d, spec.vocab)
+        (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     quant_cfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(spec.bits), "head_bits": None,
                  "codebook": spec.codebook, "calibration": {"synthetic": True, "seed": spec.seed}}
     (exl3_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))

@@ -142,3 +142,40 @@ def test_tensor_storage_entry_fields_match_exllamav3_writer(tiny):
             assert set(info) == {"shape", "n_bytes", "dtype"} and info["dtype"] in torch_dtypes
         if entry.get("quant_format") == "exl3":
             assert isinstance(entry["bits_per_weight"], int)
+
+
+READ_WITH_EXLLAMAV3 = """
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+# exllamav3's compiled extension is CUDA code built on first import; the config reader and the
+# module graph checked here are pure Python, so the extension is a stand-in in this process only.
+class NoKernels(types.ModuleType):
+    def __getattr__(self, name):  # modules bind kernel functions at import; none may run here
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"exllamav3_ext.{name} is CUDA code, not built in this test")
+        return unavailable
+ext = types.ModuleType("exllamav3.ext")
+ext.exllamav3_ext = NoKernels("exllamav3_ext")
+sys.modules["exllamav3.ext"] = ext
+from exllamav3 import Config, Model
+cfg = Config.from_directory(sys.argv[2])
+model = Model.from_config(cfg)
+print(json.dumps({"config": type(cfg).__name__, "model": type(model).__name__, "hidden": cfg.hidden_size,
+                  "layers": cfg.num_hidden_layers, "vision": cfg.vision is not None}))
+"""
+
+
+def test_exllamav3_reads_the_checkpoint_config(tiny):
+    """exllamav3's own Config.from_directory and Model.from_config accept the writer's output (they
+    refused it before the writer added the vision keys and preprocessor_config.json a published
+    Qwen3.5 checkpoint carries); the numbers it reads are the writer's."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(tiny / "exl3")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = TinySpec()
+    assert read == {"config": "Qwen3_5VLConfig", "model": "Qwen3_5VLModel", "hidden": spec.hidden,
+                    "layers": len(spec.layer_types), "vision": True}
