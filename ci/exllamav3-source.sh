@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# exllamav3's Python sources (never imported: importing it JIT-compiles its CUDA extension), for the
-# tests that derive the EXL3 checkpoint layout from the format owner's code:
+# exllamav3's Python and CUDA sources (its package is imported only with the compiled extension
+# left out), for the tests that derive the EXL3 checkpoint layout from the format owner's code:
 # .cache/exllamav3/<version>/exllamav3/...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VER="${EXLLAMAV3_VERSION:-1.6.5}"
 dest=.cache/exllamav3/$VER
-[ -f "$dest/.ok" ] && exit 0
+[ -f "$dest/.ok2" ] && exit 0
 mkdir -p .cache/wheels "$dest"
 ls .cache/wheels/exllamav3-"$VER"-*.whl >/dev/null 2>&1 ||
   python -m pip download -q --no-deps -d .cache/wheels "exllamav3==$VER" 2>&1 | grep -v "^WARNING: Location" || true
@@ -14,7 +14,7 @@ python - "$dest" .cache/wheels/exllamav3-"$VER"-*.whl <<'PY'
 import sys, zipfile
 dest, whl = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(whl) as z:
-    z.extractall(dest, [n for n in z.namelist() if n.endswith(".py")])
+    z.extractall(dest, [n for n in z.namelist() if n.endswith((".py", ".cu", ".cuh", ".h"))])
 PY
-touch "$dest/.ok"
+touch "$dest/.ok2"
 echo "exllamav3 $VER sources in $dest"

@@ -209,7 +209,8 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None) -> dict
 
 
 def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
-    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration, fp16 values."""
+    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration: fp16 values, except
+    the GDN's dt_bias and A_log in bfloat16."""
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=gen) * std).to(torch.float16)
 
@@ -244,8 +245,10 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
         state[p + "post_attention_layernorm.weight"] = rnd(spec.hidden, std=0.1)
         if kind == "linear_attention":
             vh = spec.gdn_value_heads
-            state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.float16)
-            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.float16)
+            # bfloat16, as published Qwen3.5 checkpoints and exllamav3's output store them: exllamav3's
+            # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu)
+            state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.bfloat16)
+            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.bfloat16)
             state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3)
             state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.float16)
             state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)

@@ -179,3 +179,37 @@ def test_exllamav3_reads_the_checkpoint_config(tiny):
     spec = TinySpec()
     assert read == {"config": "Qwen3_5VLConfig", "model": "Qwen3_5VLModel", "hidden": spec.hidden,
                     "layers": len(spec.layer_types), "vision": True}
+
+
+def gdn_dtype_rules() -> dict[str, set[str]]:
+    """Which dtypes exllamav3's fused GDN op accepts for the checkpoint's dt_bias and A_log, read
+    from its CUDA source (gdn.cu): TORCH_CHECK_DTYPE(arg, kX) or ``arg.dtype() == at::kX`` branches."""
+    import re
+
+    src = (EXL / "exllamav3_ext" / "gdn.cu").read_text()
+    body = src[src.index("void gated_delta_net_fused_op_2\n"):]
+    body = body[:body.index("\n}\n")]
+    to_torch = {"kBFloat16": "torch.bfloat16", "kFloat": "torch.float32", "kHalf": "torch.float16"}
+    rules: dict[str, set[str]] = {}
+    for arg in ("dt_bias", "a_log"):
+        kinds = re.findall(rf"TORCH_CHECK_DTYPE\({arg}, (k\w+)\)", body) + re.findall(rf"{arg}\.dtype\(\) == at::(k\w+)", body)
+        assert kinds, f"gdn.cu no longer states the dtype of {arg}: update this test"
+        rules[arg] = {to_torch[k] for k in kinds}
+    return rules
+
+
+def test_gdn_tensors_have_the_dtypes_exllamav3s_kernel_takes(tiny):
+    """exllamav3 refused the writer's float16 dt_bias on the H200 ("dt_bias is incorrect datatype,
+    must be kBFloat16", then "gated_delta_net_fused_op_2: unsupported dtype" for A_log)."""
+    from safetensors import safe_open
+
+    rules = gdn_dtype_rules()
+    names = {"dt_bias": "linear_attn.dt_bias", "a_log": "linear_attn.A_log"}
+    with safe_open(str(tiny / "exl3" / "model.safetensors"), "pt") as f:
+        seen = 0
+        for key in f.keys():
+            for arg, suffix in names.items():
+                if key.endswith(suffix):
+                    seen += 1
+                    assert str(f.get_tensor(key).dtype) in rules[arg], (key, rules[arg])
+    assert seen == 2 * sum(t == "linear_attention" for t in TinySpec().layer_types)
