@@ -84,8 +84,11 @@ def step_convert(work: Path) -> None:
     tiny = work / "tiny-mcg"
     if not (tiny / "manifest.json").exists():
         write_tiny(tiny, TinySpec(bits=4, codebook="mcg", seed=0))
+    # exllamav3's converter runs the source model for calibration, and its GDN kernel takes dt_bias
+    # only in bfloat16: convert a bfloat16 copy of the dense twin, as published Qwen3.5 checkpoints are.
+    source = bf16_copy(tiny / "dense", work / "dense-bf16")
     out, scratch = work / "converted", work / "convert-work"
-    cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(tiny / "dense"), "-o", str(out),
+    cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(source), "-o", str(out),
            "-w", str(scratch), "-b", "4", "-cr", "16", "-cc", "256", "-vb", "16"]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,6 +103,19 @@ def step_convert(work: Path) -> None:
     (work / "exl3-own.json").write_text(json.dumps([lp.tolist() for lp in own]))
     result(step="convert", ok=True, seconds=round(time.time() - start, 1), exl3_tensors=len(quantized),
            example=quantized[:3], vs_dense_twin=compare(own, hf_logprobs(tiny / "dense")))
+
+
+def bf16_copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    state = load_file(str(dst / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2))
+    return dst
 
 
 def step_aphrodite(work: Path) -> None:
