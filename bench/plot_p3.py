@@ -9,6 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from report import pyplot, write_table
+
 PATHS = ["native", "p3_forced", "forced_best", "reconstruct"]
 
 
@@ -43,15 +45,9 @@ def main() -> None:
               f"- runtime probe, first call in a process that had not used the GPU yet: {overhead['runtime_probe_ms']:.0f} ms",
               f"- load-time plan per EXL3 layer: {overhead['plan_us_per_layer_single_codebook']:.1f} µs (single-codebook "
               f"model), {overhead['plan_us_per_layer_mixed']:.1f} µs (mixed, half the layers routed, with logging)"]
-    (folder / "p3_latency.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    write_table(folder / "p3_latency.md", lines)
+    plt = pyplot()
+    if plt is None:
         return
     shapes = sorted({(k, n, K) for k, n, K, _ in cells})
     fig, axes = plt.subplots(1, len(shapes), figsize=(2.6 * len(shapes), 3.6), sharey=True)

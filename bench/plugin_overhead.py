@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from report import pyplot, write_table
+
 CHILD = r"""
 import json, sys, time
 context = sys.argv[1]
@@ -85,15 +87,9 @@ def main() -> None:
         med = statistics.median(totals)
         lines.append(f"| {context} | {med:.1f} | {p90:.1f} | {statistics.median(r['import_ms'] for r in sel):.1f} | "
                      f"{statistics.median(r['apply_ms'] for r in sel):.1f} | {'met' if med < 50 else 'NOT met'} (< 50 ms) |")
-    (out / "plugin_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    write_table(out / "plugin_overhead.md", lines)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     data = [[r["total_ms"] for r in rows if r["context"] == c] for c in CONTEXTS]

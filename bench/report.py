@@ -1,0 +1,23 @@
+"""What the benchmark scripts share: write a markdown table and echo it; matplotlib when present."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_table(path: Path, lines: list[str]) -> None:
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
