@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,12 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    from hybrid_exl3_fixes.exl3.dispatch import installed_kernel_libraries
+
+    kernels = ", ".join(p.name for p in installed_kernel_libraries())
     lines = [f"# Plugin start overhead (aphrodite-engine {version}, CPU, {args.runs} fresh processes each)", "",
-             f"Command: `PYTHONPATH=.cache/aphrodite/{version} python bench/plugin_overhead.py --runs {args.runs}`", "",
+             f"Command: `PYTHONPATH={os.environ.get('PYTHONPATH', '')} python bench/plugin_overhead.py --runs {args.runs}`",
+             "", f"Kernel library present (P3 reads its symbols): {kernels or 'no (P3 NOT_APPLICABLE)'}", "",
              "| context | median total (ms) | p90 total (ms) | median import (ms) | median apply_all (ms) | goal |",
              "|---|---|---|---|---|---|"]
     for context in CONTEXTS:
