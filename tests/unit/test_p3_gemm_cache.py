@@ -248,3 +248,29 @@ def test_compute_class():
     assert [dispatch.compute_class(*cc) for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)]] == \
         ["ampere", "ampere", "ada", "hopper", "blackwell"]
 
+
+
+def test_a_probe_that_raises_routes_nothing_and_warns_once(plan, monkeypatch, caplog):
+    """On a device where the probe's own GEMM fails, P3 must not retry (and warn) for every layer:
+    the failure is the device's cached verdict. Fake inputs: the device's properties and the probe's
+    measurement (this project's function), so it runs without a GPU."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(plan, "VERDICTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=8, minor=6, multi_processor_count=84))
+    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("Failed to find valid kernel for shape")
+
+    monkeypatch.setattr(plan, "measure_gemm_cache", failing)
+    caplog.set_level(logging.INFO, logger="aphrodite.hybrid_exl3_fixes")
+    for i, cb in enumerate(("mcg", "mul1", "3inst")):
+        method, layer = loaded(plan, f"model.layers.{i}.mlp.down_proj", {None: linear(cb)})
+        assert plan.plan_layer(method, layer) == {}
+    assert len(calls) == 1 and plan.VERDICTS[0].codebook_blind is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Failed to find valid kernel" in warnings[0]

@@ -269,9 +269,12 @@ def device_verdict(device) -> tuple[dispatch.ProbeVerdict, str, int]:
     device_class = dispatch.compute_class(props.major, props.minor)
     verdict = VERDICTS.get(index)
     if verdict is None:
-        with torch.cuda.device(index):
-            verdict = dispatch.read_probe(measure_gemm_cache(index, device_class, props.multi_processor_count))
-        VERDICTS[index] = verdict
+        try:
+            with torch.cuda.device(index):
+                verdict = dispatch.read_probe(measure_gemm_cache(index, device_class, props.multi_processor_count))
+        except Exception as exc:  # e.g. no kernel for the probe's shape on this device: route nothing
+            verdict = dispatch.ProbeVerdict(None, False, f"the probe raised {type(exc).__name__}: {exc}")
+        VERDICTS[index] = verdict  # asked once per process and device, whatever the answer
         if verdict.codebook_blind:
             PLANNER.claim(PROBE_SHAPE, "mcg", "the hybrid-exl3-fixes probe")
             logger.info("hybrid-exl3-fixes: P3 probe on cuda:%d: the <= 32-row EXL3 GEMM keeps the first codebook "
