@@ -21,10 +21,15 @@ test-gpu:
 stubs:
 	$(VENV)/bin/hybrid-exl3-fixes stubs --out build/stubs
 
-# Status against aphrodite 0.21.0 unpacked by make install (use your own environment's
+# Status against aphrodite 0.21.0 unpacked by make install, as a pip install has it: a tree of links
+# to its sources plus its kernel library, which P3's probe reads (use your own environment's
 # `hybrid-exl3-fixes status` where aphrodite is installed for real).
+STATUS_SITE := .cache/aphrodite-status/0.21.0
 status:
-	PYTHONPATH=.cache/aphrodite/0.21.0 $(VENV)/bin/hybrid-exl3-fixes status
+	@[ -e $(STATUS_SITE)/aphrodite/_C.abi3.so ] || { rm -rf $(STATUS_SITE) && mkdir -p $(STATUS_SITE) && \
+	  cp -rs $(abspath .cache/aphrodite/0.21.0)/. $(STATUS_SITE)/ && \
+	  ln -s $(abspath .cache/aphrodite-kernels/0.21.0/aphrodite/_C.abi3.so) $(STATUS_SITE)/aphrodite/; }
+	PYTHONPATH=$(STATUS_SITE) $(VENV)/bin/hybrid-exl3-fixes status
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
