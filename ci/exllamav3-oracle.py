@@ -120,7 +120,7 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 
 def step_aphrodite(work: Path) -> None:
     sys.path.insert(0, str(HERE.parent / "tests" / "gpu"))
-    from harness import run_engine
+    from harness import compare as compare_prompt_logprobs, run_engine
 
     own = [torch.tensor(x) for x in json.loads((work / "exl3-own.json").read_text())]
     case = {"model": str(work / "converted"), "quantization": "exl3", "enable_lora": True, "prompts": PROMPTS,
@@ -131,13 +131,9 @@ def step_aphrodite(work: Path) -> None:
         print(res["output"][-4000:])
         result(step="aphrodite", ok=False, error=res.get("error"))
         return
-    rows = []
-    for out in res["outputs"]:
-        worst = 0.0
-        for pos, entry in enumerate(out["prompt_logprobs"]):
-            if entry:
-                worst = max(worst, max(abs(v - float(own[out["index"]][pos - 1, int(t)])) for t, v in entry.items()))
-        rows.append({"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3": worst})
+    rows = [{"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3":
+             compare_prompt_logprobs(out["prompt_logprobs"], own[out["index"]])["max_abs_dlogprob"]}
+            for out in res["outputs"]]
     result(step="aphrodite", ok=True, start_s=res["start_s"], requests=rows,
            p3_summary="applied=4" in res["output"])
 

@@ -66,6 +66,13 @@ def by_id(report: dict) -> dict[str, dict]:
     return {p["id"]: p for p in report["patches"]}
 
 
+def exl3_param(exl3):
+    """The real Exl3Parameter without its constructor, which asks for the TP group."""
+    param = exl3.Exl3Parameter.__new__(exl3.Exl3Parameter, weight_loader=exl3._exl3_weight_loader)
+    param.exl3_tensors = {}
+    return param
+
+
 def exl3_linear_layer(exl3, method, prefix: str, shards: dict, device: str = "cpu"):
     """A loaded EXL3 linear as ``create_weights`` (TP=1) and the checkpoint loader leave it: the
     real ``Exl3Parameter``s, filled through aphrodite's own ``_exl3_weight_loader``.
@@ -86,9 +93,7 @@ def exl3_linear_layer(exl3, method, prefix: str, shards: dict, device: str = "cp
     layer.exl3_shard_ids = list(shards)
     layer.exl3_parallel_mode = "column"
     for name in ("suh", "svh", "trellis", "mcg", "mul1"):
-        param = exl3.Exl3Parameter.__new__(exl3.Exl3Parameter, weight_loader=exl3._exl3_weight_loader)
-        param.exl3_tensors = {}
-        layer.register_parameter(name, param)
+        layer.register_parameter(name, exl3_param(exl3))
     for shard_id, tensors in shards.items():
         for name, tensor in tensors.items():
             exl3._exl3_weight_loader(getattr(layer, name), tensor.to(device), shard_id)

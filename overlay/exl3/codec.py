@@ -47,6 +47,13 @@ def _u32_to_i32(value: int) -> int:
 MARKERS = {"mcg": _u32_to_i32(MCG_MULT), "mul1": _u32_to_i32(MUL1_MULT)}
 
 
+def marker_tensors(codebook: str) -> dict[str, torch.Tensor]:
+    """The scalar tensor that names ``codebook`` in a checkpoint ({} for 3INST, which has none)."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown codebook {codebook!r}; expected one of {CODEBOOKS}")
+    return {codebook: torch.tensor(MARKERS[codebook], dtype=torch.int32)} if codebook in MARKERS else {}
+
+
 @lru_cache(maxsize=None)
 def tensor_core_perm() -> torch.Tensor:
     """perm[t] = row-major tile element that trellis position t decodes into."""
@@ -207,13 +214,9 @@ def random_exl3_linear(in_features: int, out_features: int, K: int, codebook: st
     root = math.sqrt(scale / float(codebook_lut(codebook).float().std()))
     signs_in = torch.randint(0, 2, (in_features,), generator=generator) * 2 - 1
     signs_out = torch.randint(0, 2, (out_features,), generator=generator) * 2 - 1
-    tensors = {
+    return {
         "trellis": trellis,
         "suh": (signs_in * root).to(torch.float16),
         "svh": (signs_out * root).to(torch.float16),
+        **marker_tensors(codebook),
     }
-    if codebook in MARKERS:
-        tensors[codebook] = torch.tensor(MARKERS[codebook], dtype=torch.int32)
-    elif codebook != "3inst":
-        raise ValueError(f"unknown codebook {codebook!r}; expected one of {CODEBOOKS}")
-    return tensors

@@ -38,7 +38,7 @@ def main() -> None:
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
     from hybrid_exl3_fixes.exl3 import codec, dispatch
 
-    flags = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}
+    flags = p13.CODEBOOK_FLAGS
     weights: dict = {}
 
     def tensors_for(k, n, K, seed=0):
@@ -46,8 +46,7 @@ def main() -> None:
         if key not in weights:
             gen = torch.Generator().manual_seed(hash(key) % (1 << 31))
             base = codec.random_exl3_linear(k, n, K, "3inst", gen)
-            dense = {cb: codec.dense_weight({**base, **({cb: torch.tensor(codec.MARKERS[cb], dtype=torch.int32)} if cb in codec.MARKERS else {})}, K).cuda()
-                     for cb in flags}
+            dense = {cb: codec.dense_weight({**base, **codec.marker_tensors(cb)}, K).cuda() for cb in flags}
             weights[key] = ({name: t.cuda() for name, t in base.items()}, dense)
         return weights[key]
 
@@ -81,7 +80,7 @@ def main() -> None:
             second = decoded(c[1], dense2, x, cb)
             y = c[0]
         elif path == "layer":
-            shard = {**t, **({cb: torch.tensor(codec.MARKERS[cb], dtype=torch.int32)} if cb in codec.MARKERS else {})}
+            shard = {**t, **codec.marker_tensors(cb)}
             method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=float(K)))
             layer = exl3_linear_layer(exl3, method, f"model.layers.{i}.mlp.down_proj", {None: shard}, device="cuda")
             method.process_weights_after_loading(layer)

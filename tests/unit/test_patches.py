@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import APHRODITE_VERSION, NO_KERNELS, needs_aphrodite, needs_buggy, needs_fixed
+from helpers import APHRODITE_VERSION, NO_KERNELS, exl3_param, needs_aphrodite, needs_buggy, needs_fixed
 
 pytestmark = needs_aphrodite
 
@@ -19,13 +19,6 @@ BUG1_MESSAGE = (
     f"Missing EXL3 tensors for {GDN_PREFIX}: suh[0], suh[1], suh[2], svh[0], svh[1], svh[2], "
     "trellis[0], trellis[1], trellis[2]"
 )
-
-
-def exl3_param(exl3):
-    """The real Exl3Parameter without its constructor, which asks for the TP group."""
-    param = exl3.Exl3Parameter.__new__(exl3.Exl3Parameter, weight_loader=exl3._exl3_weight_loader)
-    param.exl3_tensors = {}
-    return param
 
 
 def gdn_in_proj_qkv(exl3, method):

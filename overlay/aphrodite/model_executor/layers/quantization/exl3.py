@@ -48,7 +48,6 @@ Retire when: the oldest supported aphrodite-engine is 0.24.x.
 from __future__ import annotations
 
 import types
-from types import SimpleNamespace
 from typing import Any
 
 from hybrid_exl3_fixes.exl3 import dispatch
@@ -68,7 +67,7 @@ def probe_in_proj_qkv_shard_ids(live: dict[str, Live]) -> bool:
 
     # 0.22+ made the method an instance method that consults the quant config: build a real one.
     method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0, head_bits=None, tensor_storage={}))
-    answer = method._shard_ids_for_layer(SimpleNamespace(prefix=GDN_PREFIX), [256, 256, 512])
+    answer = method._shard_ids_for_layer(types.SimpleNamespace(prefix=GDN_PREFIX), [256, 256, 512])
     if list(answer) == FUSED_QKV:
         return False
     if list(answer) == BUGGY_ANSWER:
