@@ -73,13 +73,26 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     try:
         spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp)
-        manifest = write_tiny(args.dir, spec)
+        if args.device:
+            _check_device(args.device)
+        manifest = write_tiny(args.dir, spec, device=args.device)
     except (ValueError, FileExistsError) as exc:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
           f"{args.codebook}), dense/ (decoded twin), {', '.join(manifest['adapters'])} (LoRA rank 8)")
     return 0
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: torch sees no CUDA device here; leave --device out to use the CPU")
 
 
 def default_stub_dir() -> str:
@@ -130,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
+    tiny.add_argument("--device", help="torch device to pack and decode on, e.g. cuda (default: the CPU); "
+                      "the EXL3 tensors are the same either way")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-27b"],
                       help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks")
     tiny.set_defaults(func=cmd_make_tiny)

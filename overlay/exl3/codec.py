@@ -193,8 +193,12 @@ def hadamard_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(-1, dim)
 
 
-def dense_weight(tensors: dict[str, torch.Tensor], K: int | None = None) -> torch.Tensor:
-    """The exact dense ``W`` (I x O, float32) of one EXL3 linear: y = x @ W."""
+def dense_weight(tensors: dict[str, torch.Tensor], K: int | None = None,
+                 device: str | torch.device | None = None) -> torch.Tensor:
+    """The exact dense ``W`` (I x O, float32) of one EXL3 linear: y = x @ W, computed on ``device``
+    (default: where the tensors are), returned there."""
+    if device is not None:
+        tensors = {k: v.to(device) for k, v in tensors.items()}
     trellis = tensors["trellis"]
     K = K if K is not None else trellis.shape[-1] // 16
     w_rot = decode_tiles(trellis, K, codebook_of(tensors)).to(torch.float64)
@@ -204,13 +208,16 @@ def dense_weight(tensors: dict[str, torch.Tensor], K: int | None = None) -> torc
 
 
 def random_exl3_linear(in_features: int, out_features: int, K: int, codebook: str,
-                       generator: torch.Generator, scale: float = 0.02) -> dict[str, torch.Tensor]:
+                       generator: torch.Generator, scale: float = 0.02,
+                       device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """A valid EXL3 linear from random symbols; ``suh``/``svh`` are random signs times sqrt(scale)
-    so the dense weights have a standard deviation of about ``scale``."""
+    so the dense weights have a standard deviation of about ``scale``. The symbols come from
+    ``generator`` (on the CPU) whatever ``device`` packs them, so the result does not depend on it;
+    the returned tensors are on the CPU."""
     if in_features % HAD or out_features % HAD:
         raise ValueError(f"EXL3 dimensions must be multiples of {HAD}: got {in_features}x{out_features}")
     symbols = torch.randint(0, 1 << K, (in_features // 16, out_features // 16, 256), generator=generator)
-    trellis = symbols_to_trellis(symbols, K)
+    trellis = symbols_to_trellis(symbols.to(device) if device else symbols, K).cpu()
     root = math.sqrt(scale / float(codebook_lut(codebook).float().std()))
     signs_in = torch.randint(0, 2, (in_features,), generator=generator) * 2 - 1
     signs_out = torch.randint(0, 2, (out_features,), generator=generator) * 2 - 1

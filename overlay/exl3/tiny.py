@@ -184,9 +184,11 @@ def _tokenizer_files(dest: Path, vocab_size: int) -> None:
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": SPECIAL_TOKENS["<|endoftext|>"]}))
 
 
-def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None) -> dict:
+def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None) -> dict:
     """Write the checkpoint set; returns the manifest. Writes into a temporary sibling folder and
-    renames it into place, so a failure leaves nothing half-written."""
+    renames it into place, so a failure leaves nothing half-written. ``device`` ("cuda"): pack the
+    trellises and decode the dense twin there (the 27B-width preset takes ~11 min on two CPU cores);
+    the random draws stay on the CPU generator, so the EXL3 tensors are the same either way."""
     import torch
     from safetensors.torch import save_file
 
@@ -198,7 +200,7 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None) -> dict
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        manifest = _write(tmp, spec, torch, save_file)
+        manifest = _write(tmp, spec, torch, save_file, device)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -259,7 +261,7 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     return state
 
 
-def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
+def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = None) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     cfg = hf_config(spec)
     base = _base_state(spec, cfg, gen, torch)
@@ -279,8 +281,8 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file) -> dict:
             index += 1
             codebooks[prefix] = cb
             fin, fout = shapes[suffix]
-            tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen)
-            dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits).t().contiguous()
+            tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen, device=device)
+            dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
             for name, tensor in tensors.items():
                 exl3_state[f"{prefix}.{name}"] = tensor
             entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",

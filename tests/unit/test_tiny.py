@@ -128,3 +128,22 @@ def test_make_tiny_cli(tmp_path):
     assert main(["make-tiny", str(tmp_path / "a")]) == 2  # not empty: refused
     assert main(["make-tiny", str(tmp_path / "b"), "--tp", "4"]) == 2
     assert not (tmp_path / "b").exists()
+
+
+def test_packing_device_does_not_change_the_tensors():
+    """make-tiny --device packs and decodes elsewhere; the draws stay on the CPU generator, so the
+    EXL3 tensors are bit-identical (and the dense weights equal) whatever device is named."""
+    a = codec.random_exl3_linear(256, 128, 3, "mul1", torch.Generator().manual_seed(5))
+    b = codec.random_exl3_linear(256, 128, 3, "mul1", torch.Generator().manual_seed(5), device="cpu")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(codec.dense_weight(a, 3), codec.dense_weight(b, 3, device="cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_make_tiny_refuses_a_device_torch_cannot_use(tmp_path, capsys):
+    from hybrid_exl3_fixes.cli import main
+
+    assert main(["make-tiny", str(tmp_path / "c"), "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert main(["make-tiny", str(tmp_path / "c"), "--device", "nonsense"]) == 2
+    assert list(tmp_path.iterdir()) == []
