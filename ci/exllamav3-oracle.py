@@ -3,6 +3,10 @@
     python3 ci/exllamav3-oracle.py read WORK       exllamav3 loads tiny EXL3 checkpoints from this
                                                    project's writer (3INST, mcg, mul1); logits vs HF
                                                    transformers on each dense twin
+    python3 ci/exllamav3-oracle.py read-aphrodite WORK
+                                                   aphrodite 0.21.0 + the overlay on the same three
+                                                   checkpoints; prompt logprobs vs exllamav3's (saved
+                                                   by read)
     python3 ci/exllamav3-oracle.py convert WORK    exllamav3's converter quantizes a tiny dense twin
                                                    (calibration: its bundled text); its own forward on
                                                    the result is saved to WORK/exl3-own.json
@@ -75,7 +79,17 @@ def step_read(work: Path) -> None:
         if not (tiny / "manifest.json").exists():
             write_tiny(tiny, TinySpec(bits=4, codebook=codebook, seed=0))
         got, ref = exl3_logprobs(tiny / "exl3"), hf_logprobs(tiny / "dense")
+        (tiny / "exllamav3-own.json").write_text(json.dumps([lp.tolist() for lp in got]))
         result(step="read", codebook=codebook, **compare(got, ref))
+
+
+def step_read_aphrodite(work: Path) -> None:
+    for codebook in ("mcg", "mul1", "3inst"):
+        tiny = work / f"tiny-{codebook}"
+        own = [torch.tensor(x) for x in json.loads((tiny / "exllamav3-own.json").read_text())]
+        case = {"model": str(tiny / "exl3"), "quantization": "exl3", "prompts": PROMPTS, "loras": [None] * 3,
+                "batches": [[0], [1], [2]]}
+        aphrodite_vs(own, case, work, f"aphrodite-reads-ours-{codebook}", step="read-aphrodite", codebook=codebook)
 
 
 def step_convert(work: Path) -> None:
@@ -119,26 +133,32 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 
 
 def step_aphrodite(work: Path) -> None:
-    sys.path.insert(0, str(HERE.parent / "tests" / "gpu"))
-    from harness import compare as compare_prompt_logprobs, run_engine
-
     own = [torch.tensor(x) for x in json.loads((work / "exl3-own.json").read_text())]
     case = {"model": str(work / "converted"), "quantization": "exl3", "enable_lora": True, "prompts": PROMPTS,
             "loras": [None, "lora-a", None], "adapters": {"lora-a": str(work / "tiny-mcg" / "lora-a")},
             "batches": [[0], [1], [2]]}
-    res = run_engine(case, work, "aphrodite-reads-exllamav3")
+    aphrodite_vs(own, case, work, "aphrodite-reads-exllamav3", step="aphrodite")
+
+
+def aphrodite_vs(own: list[torch.Tensor], case: dict, work: Path, name: str, **labels) -> None:
+    """Run aphrodite (+ the overlay) on ``case`` in its own process; prompt logprobs vs exllamav3's ``own``."""
+    sys.path.insert(0, str(HERE.parent / "tests" / "gpu"))
+    from harness import compare as compare_prompt_logprobs, run_engine
+
+    res = run_engine(case, work, name)
     if not res["ok"]:
         print(res["output"][-4000:])
-        result(step="aphrodite", ok=False, error=res.get("error"))
+        result(**labels, ok=False, error=res.get("error"))
         return
-    rows = [{"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3":
-             compare_prompt_logprobs(out["prompt_logprobs"], own[out["index"]])["max_abs_dlogprob"]}
-            for out in res["outputs"]]
-    result(step="aphrodite", ok=True, start_s=res["start_s"], requests=rows,
-           p3_summary="applied=4" in res["output"])
+    rows = []
+    for out in res["outputs"]:
+        c = compare_prompt_logprobs(out["prompt_logprobs"], own[out["index"]])
+        rows.append({"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3": c["max_abs_dlogprob"],
+                     "argmax_agree": f"{c['argmax_agree']}/{c['positions']}"})
+    result(**labels, ok=True, start_s=res["start_s"], requests=rows, p3_summary="applied=4" in res["output"])
 
 
 if __name__ == "__main__":
     step, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    {"read": step_read, "convert": step_convert, "aphrodite": step_aphrodite}[step](work)
+    {"read": step_read, "read-aphrodite": step_read_aphrodite, "convert": step_convert, "aphrodite": step_aphrodite}[step](work)

@@ -184,11 +184,13 @@ def _tokenizer_files(dest: Path, vocab_size: int) -> None:
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": SPECIAL_TOKENS["<|endoftext|>"]}))
 
 
-def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None) -> dict:
+def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None,
+               dense: bool = True) -> dict:
     """Write the checkpoint set; returns the manifest. Writes into a temporary sibling folder and
     renames it into place, so a failure leaves nothing half-written. ``device`` ("cuda"): pack the
     trellises and decode the dense twin there (the 27B-width preset takes ~11 min on two CPU cores);
-    the random draws stay on the CPU generator, so the EXL3 tensors are the same either way."""
+    the random draws stay on the CPU generator, so the EXL3 tensors are the same either way.
+    ``dense=False``: no dense/ twin (benchmarks, which never read it; 7 GB at 27B widths)."""
     import torch
     from safetensors.torch import save_file
 
@@ -200,7 +202,7 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        manifest = _write(tmp, spec, torch, save_file, device)
+        manifest = _write(tmp, spec, torch, save_file, device, dense)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -261,7 +263,7 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     return state
 
 
-def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = None) -> dict:
+def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = None, dense: bool = True) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     cfg = hf_config(spec)
     base = _base_state(spec, cfg, gen, torch)
@@ -282,7 +284,8 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
             codebooks[prefix] = cb
             fin, fout = shapes[suffix]
             tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen, device=device)
-            dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
+            if dense:
+                dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
             for name, tensor in tensors.items():
                 exl3_state[f"{prefix}.{name}"] = tensor
             entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",
@@ -299,7 +302,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     for leaf in sorted(leaves - set(storage)):
         storage[leaf] = {"stored_tensors": stored_tensor_info(exl3_state, leaf)}
     exl3_dir, dense_dir = tmp / "exl3", tmp / "dense"
-    for d in (exl3_dir, dense_dir):
+    for d in (exl3_dir, dense_dir) if dense else (exl3_dir,):
         d.mkdir()
         _tokenizer_files(d, spec.vocab)
         (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
@@ -308,8 +311,9 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     (exl3_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
     (exl3_dir / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))
     save_file(exl3_state, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
-    (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, indent=2))
-    save_file(dense_state, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dense:
+        (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, indent=2))
+        save_file(dense_state, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
 
     adapters = {}
     for a, name in enumerate(spec.adapters):

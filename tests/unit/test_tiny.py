@@ -147,3 +147,12 @@ def test_make_tiny_refuses_a_device_torch_cannot_use(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
     assert main(["make-tiny", str(tmp_path / "c"), "--device", "nonsense"]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_dense_writes_the_same_exl3_checkpoint(tmp_path, tiny):
+    """--no-dense (benchmarks) leaves out dense/ and nothing else: the EXL3 tensors are the same."""
+    dest, _ = tiny
+    write_tiny(tmp_path / "n", TinySpec(bits=3, codebook="mixed", seed=1), dense=False)
+    assert sorted(p.name for p in (tmp_path / "n").iterdir()) == sorted(p.name for p in dest.iterdir() if p.name != "dense")
+    a, b = load_file(str(dest / "exl3" / "model.safetensors")), load_file(str(tmp_path / "n" / "exl3" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
