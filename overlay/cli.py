@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -51,7 +52,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "plugin_gate": gate,
             "summary": overlay.summary(results),
             "patches": [r.as_dict() for r in results],
-        }, indent=2))
+        }, indent=2), file=args.json_out)
     else:
         rows = [("patch", "status", "upstream", "fixed in", "reason")]
         rows += [(f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
@@ -125,7 +126,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report = diagnose(args.model_dir, gpu_mem=args.gpu_mem, gpus=args.gpus, tp=args.tp,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype,
                       utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only)
-    print(as_json(report) if args.json else render(report))
+    if args.json:
+        print(as_json(report), file=args.json_out)
+    else:
+        print(render(report))
     return report.exit_code
 
 
@@ -169,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if not getattr(args, "json", False):
+        return args.func(args)
+    # --json: stdout carries the JSON document alone. aphrodite's logger writes to sys.stdout as it
+    # is when aphrodite is first imported, which happens inside the command: send that to stderr.
+    args.json_out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -63,16 +63,17 @@ class TinySpec:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     tp: int = 2  # the largest tensor-parallel size the checkpoint must split evenly for
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
+    max_position: int = 1024  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TinySpec":
         """Named shapes. ``qwen3.6-27b``: the Qwen3.5/3.6-27B layer dimensions (hidden 5120,
         intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
-        4 layers and a 32768-token vocabulary, for benchmarks at realistic width."""
+        4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width."""
         presets = {
             "tiny": {},
             "qwen3.6-27b": dict(hidden=5120, intermediate=17408, vocab=32768, heads=24, kv_heads=4, head_dim=256,
-                                gdn_key_heads=16, gdn_value_heads=48, gdn_head_dim=128),
+                                gdn_key_heads=16, gdn_value_heads=48, gdn_head_dim=128, max_position=32768),
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
@@ -117,7 +118,7 @@ def hf_config(spec: TinySpec) -> dict:
         "layer_types": list(spec.layer_types), "linear_num_key_heads": spec.gdn_key_heads,
         "linear_num_value_heads": spec.gdn_value_heads, "linear_key_head_dim": spec.gdn_head_dim,
         "linear_value_head_dim": spec.gdn_head_dim, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+        "max_position_embeddings": spec.max_position, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
         "partial_rotary_factor": rotary,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
                             "mrope_section": mrope, "mrope_interleaved": True},
@@ -214,7 +215,7 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device:
 
 def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration: fp16 values, except
-    the GDN's dt_bias and A_log in bfloat16."""
+    the GDN's dt_bias, A_log and output-norm weight in bfloat16."""
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=gen) * std).to(torch.float16)
 
@@ -250,11 +251,12 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
         if kind == "linear_attention":
             vh = spec.gdn_value_heads
             # bfloat16, as published Qwen3.5 checkpoints and exllamav3's output store them: exllamav3's
-            # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu)
+            # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu), its
+            # gated RMS norm a float32 or bfloat16 weight (norm.cu)
             state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.bfloat16)
             state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.bfloat16)
             state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3)
-            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.float16)
+            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.bfloat16)
             state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
             state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
         else:

@@ -198,13 +198,27 @@ def gdn_dtype_rules() -> dict[str, set[str]]:
     return rules
 
 
+def gated_norm_weight_dtypes() -> set[str]:
+    """The weight dtypes of exllamav3's gated RMS norm (the GDN output norm), from the launch table of
+    norm.cu: rows ``__(kX, x, kW, w, kY, y, kG, g, small, threads)`` before its "Invalid datatypes"."""
+    import re
+
+    src = (EXL / "exllamav3_ext" / "norm.cu").read_text()
+    end = src.index('"gated_rms_norm: Invalid datatypes')
+    body = src[src.rindex("#define __(", 0, end):end]
+    kinds = set(re.findall(r"__\(\s*k\w+,\s*\w+,\s*(k\w+),", body))
+    assert kinds, "norm.cu no longer has gated_rms_norm's launch table: update this test"
+    return {{"kBFloat16": "torch.bfloat16", "kFloat": "torch.float32", "kHalf": "torch.float16"}[k] for k in kinds}
+
+
 def test_gdn_tensors_have_the_dtypes_exllamav3s_kernel_takes(tiny):
     """exllamav3 refused the writer's float16 dt_bias on the H200 ("dt_bias is incorrect datatype,
-    must be kBFloat16", then "gated_delta_net_fused_op_2: unsupported dtype" for A_log)."""
+    must be kBFloat16", then "gated_delta_net_fused_op_2: unsupported dtype" for A_log), and after
+    those its gated norm the float16 norm weight ("gated_rms_norm: Invalid datatypes for input/output")."""
     from safetensors import safe_open
 
-    rules = gdn_dtype_rules()
-    names = {"dt_bias": "linear_attn.dt_bias", "a_log": "linear_attn.A_log"}
+    rules = {**gdn_dtype_rules(), "norm": gated_norm_weight_dtypes()}
+    names = {"dt_bias": "linear_attn.dt_bias", "a_log": "linear_attn.A_log", "norm": "linear_attn.norm.weight"}
     with safe_open(str(tiny / "exl3" / "model.safetensors"), "pt") as f:
         seen = 0
         for key in f.keys():
@@ -212,4 +226,4 @@ def test_gdn_tensors_have_the_dtypes_exllamav3s_kernel_takes(tiny):
                 if key.endswith(suffix):
                     seen += 1
                     assert str(f.get_tensor(key).dtype) in rules[arg], (key, rules[arg])
-    assert seen == 2 * sum(t == "linear_attention" for t in TinySpec().layer_types)
+    assert seen == 3 * sum(t == "linear_attention" for t in TinySpec().layer_types)
