@@ -231,12 +231,15 @@ def main() -> None:
     ap.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="--max-num-batched-tokens values")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds; start no engine after that")
     ap.add_argument("--engine-timeout", type=float, default=540.0)
+    ap.add_argument("--eager", action="store_true", help="every engine in eager mode (--enforce-eager)")
     args = ap.parse_args()
     began = time.perf_counter()
     out, models = Path(args.out), Path(args.models)
     only = set(args.only.split(","))
     unknown = only - {"concurrency", "lora", "graphs", "codebooks", "chunk"}
     cases = engine_cases(models, only, [int(c) for c in args.chunks.split(",")])
+    if args.eager:
+        cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
     missing = sorted({str(Path(c["model"]).parent) for c in cases if not (Path(c["model"]) / "config.json").is_file()})
     if unknown or missing:
         sys.exit(f"serving.py: unknown experiments {sorted(unknown)}" if unknown else
