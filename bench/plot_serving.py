@@ -41,24 +41,29 @@ def ratio(a, b, key="throughput_tok_s"):
     return a[key] / b[key] if a and b and b[key] else None
 
 
+def mode(engine: dict) -> str:
+    return {True: "eager", False: "compiled + CUDA graphs"}.get(engine.get("enforce_eager"), "—")
+
+
 def fmt(x, digits=2):
     return "—" if x is None else f"{x:.{digits}f}"
 
 
 def report(rows: list[dict], engines: dict, title: str) -> list[str]:
     md = [f"# Serving benchmarks ({title})", "",
-          "Produced by `bench/serving.py` (command and setup: `bench/README.md`); model: `make-tiny --preset "
-          "qwen3.6-27b` (Qwen3.6-27B layer widths, 4 layers `[GDN, GDN, GDN, attention]`, 4 bits), "
-          "prompt 128 random tokens, 128 output tokens, greedy, best of two repetitions.", ""]
-    md += ["## Engines", "", "| engine | ok | start (s) | overlay summary | P3 routed layers |", "|---|---|---|---|---|"]
+          "Produced by `bench/serving.py` and `bench/plot_serving.py` (commands, setup and how to read these "
+          "numbers: `bench/README.md`); model: `make-tiny --preset qwen3.6-27b` (Qwen3.6-27B layer widths, 4 "
+          "layers `[GDN, GDN, GDN, attention]`, 4 bits), prompt 128 random tokens, 128 output tokens, greedy, "
+          "best of two repetitions.", ""]
+    md += ["## Engines", "", "| engine | ok | mode | start (s) | overlay summary | P3 routed layers |", "|---|---|---|---|---|---|"]
     for name, e in engines.items():
         md.append(f"| {name} | {'yes' if e.get('ok') else 'NO: ' + str(e.get('error', ''))[-120:].replace(chr(10), ' ')} "
-                  f"| {e.get('start_s', '—')} | {'; '.join(e.get('overlay', [])) or '—'} "
+                  f"| {mode(e)} | {e.get('start_s', '—')} | {'; '.join(e.get('overlay', [])) or '—'} "
                   f"| {', '.join(f'{v} ({k})' for k, v in e.get('p3_routed', {}).items()) or '0'} |")
 
     sweep = pick(rows, "exl3")
     if sweep:
-        md += ["", "## Concurrency (mcg, CUDA graphs)", "",
+        md += ["", "## Concurrency (mcg)", "",
                "| N | throughput (tok/s) | mean TTFT (ms) | decode tok/s per request | vs N/2 |", "|---|---|---|---|---|"]
         prev = None
         for r in sweep:
@@ -153,7 +158,7 @@ def plots(rows: list[dict], out: Path, title: str) -> None:
         ax.set_xticks(range(len(values)), labels, fontsize=7)
         ax.set_ylabel("throughput relative to LoRA off")
         ax.legend(fontsize=8)
-        ax.set_title(f"LoRA on EXL3 ({title})")
+        ax.set_title(f"LoRA on EXL3 ({title})", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "serving_lora.png", dpi=120)
 

@@ -138,7 +138,8 @@ def worker(case_path: str) -> None:
         try:
             timed(engine, prompts(1))  # warm-up: the engine is idle and its caches settled
             runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(REPEATS)]
-            row.update(max(runs, key=lambda r: r["throughput_tok_s"]), error="")
+            row.update(max(runs, key=lambda r: r["throughput_tok_s"]), error="",
+                       throughput_reps=" ".join(str(r["throughput_tok_s"]) for r in runs))
         except Exception as exc:  # recorded, and the remaining measurements still run
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -174,7 +175,8 @@ def worker(case_path: str) -> None:
                 traceback.print_exc()
             rows.append(row)
             print("ROW " + json.dumps(row), flush=True)
-    print("RESULT " + json.dumps({"ok": True, "start_s": round(start_s, 2), "rows": rows}), flush=True)
+    print("RESULT " + json.dumps({"ok": True, "start_s": round(start_s, 2), "rows": rows,
+                                  "enforce_eager": kwargs["enforce_eager"]}), flush=True)
 
 
 # -- the driver ------------------------------------------------------------------------------
