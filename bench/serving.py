@@ -46,7 +46,7 @@ CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]
 SHORT_SWEEP = [1, 8, 32, 128]
 CHUNKS = [256, 512, 1024, 2048, 4096, 8192]
 PROMPT, OUTPUT, LONG = 128, 128, 12000
-REPEATS = 2
+REPEATS = 2  # --repeats
 ENGINE_GUESS_S = 150  # an engine start plus its measurements, for --deadline
 
 
@@ -121,6 +121,7 @@ def worker(case_path: str) -> None:
         kwargs.update(max_num_batched_tokens=case["max_num_batched_tokens"], enable_chunked_prefill=True)
     if case.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=4)
+    kwargs.update(case.get("engine_args", {}))  # --engine-args: e.g. compilation_config variants
     started = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - started
@@ -137,7 +138,7 @@ def worker(case_path: str) -> None:
         row = {"engine": case["name"], "workload": workload, "n": n}
         try:
             timed(engine, prompts(1))  # warm-up: the engine is idle and its caches settled
-            runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(REPEATS)]
+            runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(case.get("repeats", REPEATS))]
             row.update(max(runs, key=lambda r: r["throughput_tok_s"]), error="",
                        throughput_reps=" ".join(str(r["throughput_tok_s"]) for r in runs))
         except Exception as exc:  # recorded, and the remaining measurements still run
@@ -234,6 +235,10 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds; start no engine after that")
     ap.add_argument("--engine-timeout", type=float, default=540.0)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (--enforce-eager)")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="repetitions per measurement (the best is kept)")
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help='JSON merged into every engine\'s LLM(...) arguments, e.g. \'{"compilation_config": {"cudagraph_mode": "NONE"}}\'')
+    ap.add_argument("--tag", default="", help="suffix for the engine names, so variants keep their own results")
     args = ap.parse_args()
     began = time.perf_counter()
     out, models = Path(args.out), Path(args.models)
@@ -242,6 +247,7 @@ def main() -> None:
     cases = engine_cases(models, only, [int(c) for c in args.chunks.split(",")])
     if args.eager:
         cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
+    cases = [{**c, "name": c["name"] + args.tag, "repeats": args.repeats, "engine_args": args.engine_args} for c in cases]
     missing = sorted({str(Path(c["model"]).parent) for c in cases if not (Path(c["model"]) / "config.json").is_file()})
     if unknown or missing:
         sys.exit(f"serving.py: unknown experiments {sorted(unknown)}" if unknown else

@@ -52,14 +52,16 @@ def subprocess_env(pythonpath: Path | str | None, **extra: str) -> dict[str, str
 
 
 def run_status(pythonpath: Path | str | None, **extra: str) -> tuple[int, dict]:
-    """``hybrid-exl3-fixes status --json`` in a fresh process; returns (exit code, parsed JSON)."""
+    """``hybrid-exl3-fixes status --json`` in a fresh process; returns (exit code, parsed JSON). stdout
+    must be the JSON document alone (aphrodite's log lines go to stderr), as a script piping it expects."""
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_exl3_fixes.cli", "status", "--json"],
         env=subprocess_env(pythonpath, **extra), capture_output=True, text=True, timeout=300,
     )
-    start = proc.stdout.find("{\n")
-    assert start >= 0, f"no JSON in status output (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return proc.returncode, json.loads(proc.stdout[start:])
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"stdout is not one JSON document (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}") from None
 
 
 def by_id(report: dict) -> dict[str, dict]:
