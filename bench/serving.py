@@ -134,18 +134,33 @@ def worker(case_path: str) -> None:
 
     rows = []
 
-    def measure(workload, n, loras=None):
-        row = {"engine": case["name"], "workload": workload, "n": n}
+    def record(row: dict, fill) -> None:
+        """Warm up, then ``row.update(fill())``; an error is recorded in the row and the remaining
+        measurements still run."""
         try:
             timed(engine, prompts(1))  # warm-up: the engine is idle and its caches settled
-            runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(case.get("repeats", REPEATS))]
-            row.update(max(runs, key=lambda r: r["throughput_tok_s"]), error="",
-                       throughput_reps=" ".join(str(r["throughput_tok_s"]) for r in runs))
-        except Exception as exc:  # recorded, and the remaining measurements still run
+            row.update(fill(), error="")
+        except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
+
+    def best_of(n, loras=None):
+        runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(case.get("repeats", REPEATS))]
+        return {**max(runs, key=lambda r: r["throughput_tok_s"]),
+                "throughput_reps": " ".join(str(r["throughput_tok_s"]) for r in runs)}
+
+    def mixed_workload():
+        times = timed(engine, prompts(1, LONG) + prompts(5))
+        done = [t["done"] for t in times]
+        return dict(wall_s=round(max(done), 4), long_done_s=round(done[0], 3),
+                    short_done_s_mean=round(statistics.mean(done[1:]), 3),
+                    short_ttft_ms_mean=round(1000 * statistics.mean(t["first"] for t in times[1:]), 1),
+                    spread_s=round(statistics.pstdev(done), 4))
+
+    def measure(workload, n, loras=None):
+        record({"engine": case["name"], "workload": workload, "n": n}, lambda: best_of(n, loras))
 
     for work, sizes in case["work"]:
         if work == "concurrency":
@@ -161,21 +176,8 @@ def worker(case_path: str) -> None:
                 measure("one adapter", n, [four[0]] * n)
                 measure("four adapters", n, [four[i % 4] for i in range(n)])
         elif work == "chunk":
-            row = {"engine": case["name"], "workload": "long+5 short", "n": 6,
-                   "max_num_batched_tokens": case["max_num_batched_tokens"]}
-            try:
-                timed(engine, prompts(1))
-                times = timed(engine, prompts(1, LONG) + prompts(5))
-                done = [t["done"] for t in times]
-                row.update(wall_s=round(max(done), 4), long_done_s=round(done[0], 3),
-                           short_done_s_mean=round(statistics.mean(done[1:]), 3),
-                           short_ttft_ms_mean=round(1000 * statistics.mean(t["first"] for t in times[1:]), 1),
-                           spread_s=round(statistics.pstdev(done), 4), error="")
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
-            rows.append(row)
-            print("ROW " + json.dumps(row), flush=True)
+            record({"engine": case["name"], "workload": "long+5 short", "n": 6,
+                    "max_num_batched_tokens": case["max_num_batched_tokens"]}, mixed_workload)
     print("RESULT " + json.dumps({"ok": True, "start_s": round(start_s, 2), "rows": rows,
                                   "enforce_eager": kwargs["enforce_eager"]}), flush=True)
 
