@@ -37,6 +37,15 @@ def pick(rows, engine, workload="no adapter", n=None):
     return found if n is None else (found[0] if found else None)
 
 
+def lora_rows(rows):
+    return [r for r in rows if r["engine"] == "exl3+lora" and not r.get("error")]
+
+
+def chunk_rows(rows):
+    return sorted((r for r in rows if r["workload"] == "long+5 short" and not r.get("error")),
+                  key=lambda r: r["max_num_batched_tokens"])
+
+
 def ratio(a, b, key="throughput_tok_s"):
     return a[key] / b[key] if a and b and b[key] else None
 
@@ -54,7 +63,8 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
           "Produced by `bench/serving.py` and `bench/plot_serving.py` (commands, setup and how to read these "
           "numbers: `bench/README.md`); model: `make-tiny --preset qwen3.6-27b` (Qwen3.6-27B layer widths, 4 "
           "layers `[GDN, GDN, GDN, attention]`, 4 bits), prompt 128 random tokens, 128 output tokens, greedy, "
-          "best of two repetitions.", ""]
+          "each row the best of its repetitions (two by default; all of them in the CSV's `throughput_reps` "
+          "where recorded).", ""]
     md += ["## Engines", "", "| engine | ok | mode | start (s) | overlay summary | P3 routed layers |", "|---|---|---|---|---|---|"]
     for name, e in engines.items():
         md.append(f"| {name} | {'yes' if e.get('ok') else 'NO: ' + str(e.get('error', ''))[-120:].replace(chr(10), ' ')} "
@@ -72,11 +82,11 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
             prev = r
 
     goals = []
-    lora_rows = [r for r in rows if r["engine"] == "exl3+lora" and not r.get("error")]
-    if lora_rows:
+    lora = lora_rows(rows)
+    if lora:
         md += ["", "## LoRA on EXL3 (throughput relative to the same model without --enable-lora)", "",
                "| N | workload | throughput (tok/s) | vs LoRA off | overhead |", "|---|---|---|---|---|"]
-        for r in lora_rows:
+        for r in lora:
             q = ratio(r, pick(rows, "exl3", n=r["n"]))
             md.append(f"| {r['n']} | {r['workload']} | {r['throughput_tok_s']:.0f} | {fmt(q)} | "
                       f"{fmt(None if q is None else 100 * (1 - q), 1)} % |")
@@ -105,8 +115,7 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
             if q is not None:
                 goals.append((f"mixed-codebook model (P3) vs best native, N = {r['n']}", f"{q:.2f}x", ">= 0.90x", q >= 0.9))
 
-    chunk = sorted((r for r in rows if r["workload"] == "long+5 short" and not r.get("error")),
-                   key=lambda r: r["max_num_batched_tokens"])
+    chunk = chunk_rows(rows)
     if chunk:
         md += ["", "## Chunked prefill: one 12,000-token prompt and five short ones, submitted together", "",
                "| --max-num-batched-tokens | total (s) | long done (s) | short done, mean (s) | short TTFT, mean (ms) "
@@ -146,7 +155,7 @@ def plots(rows: list[dict], out: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out / "serving_concurrency.png", dpi=120)
 
-    lora = [r for r in rows if r["engine"] == "exl3+lora" and not r.get("error")]
+    lora = lora_rows(rows)
     if lora:
         fig, ax = plt.subplots(figsize=(7, 4))
         labels, values = [], []
@@ -162,8 +171,7 @@ def plots(rows: list[dict], out: Path, title: str) -> None:
         fig.tight_layout()
         fig.savefig(out / "serving_lora.png", dpi=120)
 
-    chunk = sorted((r for r in rows if r["workload"] == "long+5 short" and not r.get("error")),
-                   key=lambda r: r["max_num_batched_tokens"])
+    chunk = chunk_rows(rows)
     if chunk:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["wall_s"] for r in chunk], [r["spread_s"] for r in chunk], marker="o")
