@@ -5,6 +5,8 @@
 # checkpoints once (make-tiny --device cuda; only mcg keeps its dense twin), runs or resumes
 # bench/serving.py with a deadline (a device call is capped at 10 minutes; finished engines are
 # skipped on the next call), and bundles results and engine logs into OUT/serving-results.tgz.
+# HXF_CODEBOOKS="mcg" writes only those checkpoints (the chunk, graphs and LoRA experiments need
+# only mcg; the default writes all four).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET="${1:?seconds this script may run (no engine starts after that)}"; shift
@@ -15,7 +17,7 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hxf-triton-cache}"
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
-  for cb in mcg mixed 3inst mul1; do
+  for cb in ${HXF_CODEBOOKS:-mcg mixed 3inst mul1}; do
     [ -e "$WORK/models/$cb/manifest.json" ] && continue
     dense=--no-dense; [ "$cb" = mcg ] && dense=
     /usr/bin/time -f "make-tiny $cb: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$WORK/models/$cb" \
