@@ -1,8 +1,12 @@
 """Tables, issue 7's goals and plots from bench/serving.py's DIR/serving.csv and DIR/serving.json.
 
     python3 bench/plot_serving.py DIR [--out bench/results] [--title "NVIDIA H200, aphrodite 0.21.0"]
+                                      [--variant -fullgraph-nocompile]
 
 Writes OUT/serving.md and OUT/serving_{concurrency,lora,chunk}.png (plots need matplotlib).
+``--variant SUFFIX`` reports the engines that serving.py ran with ``--tag=SUFFIX`` under their plain
+names (exl3, exl3+lora, exl3-mixed, ...), so the tables and goals compare them; an engine of the
+plain name that the variant displaces is kept as NAME-compiled (serving.py's default mode).
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import json
 from pathlib import Path
 
 from report import pyplot, write_table
+from serving import root_cause
 
 NATIVE = ["exl3", "exl3-3inst", "exl3-mul1"]  # single-codebook models: P3 routes nothing
 LABEL = {"exl3": "mcg (native)", "exl3-3inst": "3INST (native)", "exl3-mul1": "mul1 (native)",
          "exl3-mixed": "mixed codebooks (P3 routes)", "exl3-eager": "mcg, eager"}
 
 
-def load(src: Path) -> tuple[list[dict], dict]:
+def load(src: Path, variant: str = "") -> tuple[list[dict], dict]:
     with open(src / "serving.csv") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
@@ -28,7 +33,23 @@ def load(src: Path) -> tuple[list[dict], dict]:
                 r[k] = float(v) if "." in v else int(v)
             except (TypeError, ValueError):
                 pass
-    return rows, json.loads((src / "serving.json").read_text())
+    engines = json.loads((src / "serving.json").read_text())
+    for name, e in engines.items():  # the engine arguments of --engine-args live in serving.py's case file
+        log = src / f"engine-{name}.log"
+        if not e.get("ok") and not e.get("cause") and log.is_file():
+            e["cause"] = root_cause(log.read_text(errors="replace"))
+        case = src / f"case-{name}.json"
+        if case.is_file():
+            spec = json.loads(case.read_text())
+            e.setdefault("engine_args", spec.get("engine_args", {}))
+            e.setdefault("enforce_eager", spec.get("enforce_eager", False))
+    if variant:
+        plain = {n: n[: -len(variant)] for n in engines if n.endswith(variant) and len(n) > len(variant)}
+        rename = {**{n: n + "-compiled" for n in plain.values() if n in engines}, **plain}
+        engines = {rename.get(n, n): e for n, e in engines.items()}
+        for r in rows:
+            r["engine"] = rename.get(r["engine"], r["engine"])
+    return rows, engines
 
 
 def pick(rows, engine, workload="no adapter", n=None):
@@ -38,7 +59,19 @@ def pick(rows, engine, workload="no adapter", n=None):
 
 
 def lora_rows(rows):
-    return [r for r in rows if r["engine"] == "exl3+lora" and not r.get("error")]
+    """Rows of every engine started with --enable-lora (exl3+lora and its eager / compiled twins)."""
+    return [r for r in rows if r["engine"].startswith("exl3+lora") and not r.get("error")]
+
+
+def lora_off(engine: str) -> str:
+    """The engine without --enable-lora in the same mode: exl3+lora-eager -> exl3-eager."""
+    return "exl3" + engine[len("exl3+lora"):]
+
+
+def graph_pairs(engines: dict) -> list[tuple[str, str]]:
+    """(engine with CUDA graphs, the same configuration in eager mode) for every NAME-eager present."""
+    return [(g, e) for e in engines if e.endswith("-eager")
+            for g in (e[: -len("-eager")], e[: -len("-eager")] + "-compiled") if g in engines]
 
 
 def chunk_rows(rows):
@@ -51,7 +84,14 @@ def ratio(a, b, key="throughput_tok_s"):
 
 
 def mode(engine: dict) -> str:
-    return {True: "eager", False: "compiled + CUDA graphs"}.get(engine.get("enforce_eager"), "—")
+    if engine.get("enforce_eager") is None:
+        return "—"
+    if engine["enforce_eager"]:
+        return "eager"
+    cc = engine.get("engine_args", {}).get("compilation_config", {})
+    graphs = cc.get("cudagraph_mode", "default")
+    compiled = "no torch.compile" if cc.get("mode") == 0 else f"torch.compile (backend {cc.get('backend', 'inductor')})"
+    return f"{compiled}, CUDA graphs {graphs}"
 
 
 def fmt(x, digits=2):
@@ -67,13 +107,14 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
           "where recorded).", ""]
     md += ["## Engines", "", "| engine | ok | mode | start (s) | overlay summary | P3 routed layers |", "|---|---|---|---|---|---|"]
     for name, e in engines.items():
-        md.append(f"| {name} | {'yes' if e.get('ok') else 'NO: ' + str(e.get('error', ''))[-120:].replace(chr(10), ' ')} "
+        why = e.get("cause") or str(e.get("error", ""))[-120:].replace(chr(10), " ")
+        md.append(f"| {name} | {'yes' if e.get('ok') else 'NO: ' + why.replace('|', '/')} "
                   f"| {mode(e)} | {e.get('start_s', '—')} | {'; '.join(e.get('overlay', [])) or '—'} "
                   f"| {', '.join(f'{v} ({k})' for k, v in e.get('p3_routed', {}).items()) or '0'} |")
 
     sweep = pick(rows, "exl3")
     if sweep:
-        md += ["", "## Concurrency (mcg)", "",
+        md += ["", f"## Concurrency (mcg; {mode(engines.get('exl3', {}))})", "",
                "| N | throughput (tok/s) | mean TTFT (ms) | decode tok/s per request | vs N/2 |", "|---|---|---|---|---|"]
         prev = None
         for r in sweep:
@@ -84,23 +125,32 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
     goals = []
     lora = lora_rows(rows)
     if lora:
-        md += ["", "## LoRA on EXL3 (throughput relative to the same model without --enable-lora)", "",
-               "| N | workload | throughput (tok/s) | vs LoRA off | overhead |", "|---|---|---|---|---|"]
+        md += ["", "## LoRA on EXL3", "",
+               "Throughput against the same model in the same mode without `--enable-lora` (where this run has "
+               "that engine), and against the same engine's batch without an adapter.", "",
+               "| engine | N | workload | throughput (tok/s) | vs LoRA off | overhead | vs no adapter, same engine |",
+               "|---|---|---|---|---|---|---|"]
         for r in lora:
-            q = ratio(r, pick(rows, "exl3", n=r["n"]))
-            md.append(f"| {r['n']} | {r['workload']} | {r['throughput_tok_s']:.0f} | {fmt(q)} | "
-                      f"{fmt(None if q is None else 100 * (1 - q), 1)} % |")
+            q = ratio(r, pick(rows, lora_off(r["engine"]), n=r["n"]))
+            own = ratio(r, pick(rows, r["engine"], "lora on, no adapter", r["n"]))
+            md.append(f"| {r['engine']} | {r['n']} | {r['workload']} | {r['throughput_tok_s']:.0f} | {fmt(q)} | "
+                      f"{fmt(None if q is None else 100 * (1 - q), 1)} % | {fmt(own)} |")
             if r["workload"] != "lora on, no adapter" and q is not None:
-                goals.append((f"LoRA overhead, {r['workload']}, N = {r['n']}", f"{100 * (1 - q):.1f} %", "< 15 %",
-                              1 - q < 0.15))
+                where = "" if r["engine"] == "exl3+lora" else f" ({r['engine']})"
+                goals.append((f"LoRA overhead, {r['workload']}, N = {r['n']}{where}", f"{100 * (1 - q):.1f} %",
+                              "< 15 %", 1 - q < 0.15))
 
-    eager = pick(rows, "exl3-eager")
-    if eager:
-        md += ["", "## CUDA graphs against eager mode", "", "| N | graphs (tok/s) | eager (tok/s) | graphs / eager |",
-               "|---|---|---|---|"]
-        for r in eager:
-            g = pick(rows, "exl3", n=r["n"])
-            md.append(f"| {r['n']} | {fmt(g and g['throughput_tok_s'], 0)} | {r['throughput_tok_s']:.0f} | {fmt(ratio(g, r))} |")
+    pairs = graph_pairs(engines)
+    if pairs:
+        md += ["", "## CUDA graphs against eager mode", "",
+               "| engine (graphs) | engine (eager) | workload | N | graphs (tok/s) | eager (tok/s) | graphs / eager |",
+               "|---|---|---|---|---|---|---|"]
+        for g_name, e_name in pairs:
+            for r in (r for r in rows if r["engine"] == e_name and not r.get("error") and "n" in r):
+                g = pick(rows, g_name, r["workload"], r["n"])
+                if g:
+                    md.append(f"| {g_name} | {e_name} | {r['workload']} | {r['n']} | {g['throughput_tok_s']:.0f} | "
+                              f"{r['throughput_tok_s']:.0f} | {fmt(ratio(g, r))} |")
 
     mixed = pick(rows, "exl3-mixed")
     if mixed:
@@ -123,19 +173,25 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
         for r in chunk:
             md.append(f"| {r['max_num_batched_tokens']} | {r['wall_s']:.2f} | {r['long_done_s']:.2f} | "
                       f"{r['short_done_s_mean']:.2f} | {r['short_ttft_ms_mean']:.0f} | {r['spread_s']:.3f} |")
+        md += ["", f"Mode: {mode(engines.get(chunk[0]['engine'], {}))}. The long prompt is submitted first; "
+               "every request decodes 128 tokens, so the short ones, admitted only beside the long prompt's "
+               "chunks, finish with it (a spread near 0). Their wait shows as time to first token."]
 
     bad = [r for r in rows if r.get("error") or r.get("tokens_short")]
     failed = [n for n, e in engines.items() if not e.get("ok")]
     top = max((r["n"] for r in rows if r["workload"] != "long+5 short"), default=0)
-    goals.append((f"errors up to N = {top}", f"{len(bad)} failed measurements, {len(failed)} failed engines",
-                  "none", not bad and not failed))
+    started = len(engines) - len(failed)
+    goals.append((f"errors up to N = {top}", f"{len(bad)} failed measurements in {started} engines that started",
+                  "none", not bad))
+    goals.append(("every engine starts", f"{len(failed)} failed engines" + (f": {', '.join(failed)}" if failed else ""),
+                  "none", not failed))
     md += ["", "## Goals (issue 7)", "", "| goal | measured | aim | met |", "|---|---|---|---|"]
     md += [f"| {g} | {m} | {a} | {'yes' if ok else 'NO'} |" for g, m, a, ok in goals]
     md += ["| plugin time per process | see `plugin_overhead.md` | < 50 ms | see there |"]
     return md
 
 
-def plots(rows: list[dict], out: Path, title: str) -> None:
+def plots(rows: list[dict], engines: dict, out: Path, title: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -157,30 +213,41 @@ def plots(rows: list[dict], out: Path, title: str) -> None:
 
     lora = lora_rows(rows)
     if lora:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        labels, values = [], []
-        for r in lora:
-            labels.append(f"N={r['n']}\n{r['workload']}")
-            values.append(ratio(r, pick(rows, "exl3", n=r["n"])) or 0)
-        ax.bar(range(len(values)), values, color="tab:purple")
-        ax.axhline(0.85, color="tab:red", ls="--", label="goal: overhead < 15 %")
-        ax.set_xticks(range(len(values)), labels, fontsize=7)
-        ax.set_ylabel("throughput relative to LoRA off")
-        ax.legend(fontsize=8)
-        ax.set_title(f"LoRA on EXL3 ({title})", fontsize=9)
-        fig.tight_layout()
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
+        keys = sorted({(r["n"], r["workload"]) for r in lora})
+        lora_engines = sorted({r["engine"] for r in lora})
+        width = 0.8 / len(lora_engines)
+        for i, engine in enumerate(lora_engines):
+            for ax, base in ((a, lambda r: pick(rows, lora_off(engine), n=r["n"])),
+                             (b, lambda r: pick(rows, engine, "lora on, no adapter", r["n"]))):
+                values = [ratio(pick(rows, engine, w, n), base({"n": n})) for n, w in keys]
+                if any(v is not None for v in values):
+                    ax.bar([k + i * width for k in range(len(keys))], [v or 0 for v in values], width, color=f"C{i}",
+                           label=f"{engine} ({mode(engines.get(engine, {}))})" if ax is b else None)
+        for ax, what in ((a, "throughput relative to LoRA off (same mode)"),
+                         (b, "throughput relative to no adapter (same engine)")):
+            ax.axhline(0.85, color="tab:red", ls="--", lw=1, label="overhead 15 %" if ax is b else None)
+            ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))],
+                          [f"N={n}\n{w.replace('lora on, ', '')}" for n, w in keys], fontsize=7)
+            ax.set_ylabel(what, fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        fig.legend(fontsize=7, loc="lower center", ncol=2)
+        fig.suptitle(f"LoRA on EXL3: {title}", fontsize=10)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
         fig.savefig(out / "serving_lora.png", dpi=120)
 
     chunk = chunk_rows(rows)
     if chunk:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["wall_s"] for r in chunk], [r["spread_s"] for r in chunk], marker="o")
-        for r in chunk:
-            ax.annotate(str(r["max_num_batched_tokens"]), (r["wall_s"], r["spread_s"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
-        ax.set_xlabel("total time (s)")
-        ax.set_ylabel("spread of completion times (s)")
-        ax.set_title(f"--max-num-batched-tokens: 12k-token prompt + 5 short ({title})", fontsize=9)
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        sizes = [r["max_num_batched_tokens"] for r in chunk]
+        ax.plot(sizes, [r["wall_s"] for r in chunk], marker="o", color="tab:blue", label="total time (s)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("--max-num-batched-tokens")
+        ax.set_ylabel("total time (s)", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(sizes, [r["short_ttft_ms_mean"] for r in chunk], marker="s", color="tab:orange")
+        ax2.set_ylabel("short requests: mean time to first token (ms)", color="tab:orange")
+        ax.set_title(f"12k-token prompt + 5 short ones, submitted together\n{title}", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out / "serving_chunk.png", dpi=120)
@@ -191,12 +258,13 @@ def main() -> None:
     ap.add_argument("src", help="serving.py's --out folder")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--title", default="NVIDIA H200, aphrodite-engine 0.21.0 + overlay")
+    ap.add_argument("--variant", default="", help="report the engines of serving.py --tag=SUFFIX under their plain names")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, engines = load(Path(args.src))
+    rows, engines = load(Path(args.src), args.variant)
     write_table(out / "serving.md", report(rows, engines, args.title))
-    plots(rows, out, args.title)
+    plots(rows, engines, out, args.title)
 
 
 if __name__ == "__main__":

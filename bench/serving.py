@@ -189,6 +189,16 @@ P3_ROUTED = re.compile(r"hybrid-exl3-fixes: P3: .* routed to the (uncached kerne
 P3_PROBE = re.compile(r"hybrid-exl3-fixes: (P3 probe on .*)")
 
 
+CAUSE = re.compile(r"^(?:ERROR [0-9:]+ )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Unsupported): .*)$", re.M)
+
+
+def root_cause(log: str) -> str:
+    """The first exception line of an engine log that is not the front end's "Engine core
+    initialization failed" (the engine core's own error, logged before it)."""
+    found = [m for m in CAUSE.findall(log) if "Engine core initialization failed" not in m]
+    return found[0].strip() if found else ""
+
+
 def run_engine(case: dict, out: Path, timeout_s: float) -> dict:
     case_path = out / f"case-{case['name']}.json"
     case_path.write_text(json.dumps(case))
@@ -204,7 +214,7 @@ def run_engine(case: dict, out: Path, timeout_s: float) -> dict:
     (out / f"engine-{case['name']}.log").write_text(log)
     results = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
     partial = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
-    result = results[-1] if results else {"ok": False, "rows": partial, "error": stderr[-3000:]}
+    result = results[-1] if results else {"ok": False, "rows": partial, "error": stderr[-3000:], "cause": root_cause(log)}
     result.update(engine=case["name"], wall_s=round(time.perf_counter() - started, 1),
                   overlay=sorted(set(OVERLAY_LINE.findall(log))), p3_probe=sorted(set(P3_PROBE.findall(log))),
                   p3_routed=dict(Counter(P3_ROUTED.findall(log))))
@@ -240,6 +250,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=REPEATS, help="repetitions per measurement (the best is kept)")
     ap.add_argument("--engine-args", type=json.loads, default={},
                     help='JSON merged into every engine\'s LLM(...) arguments, e.g. \'{"compilation_config": {"cudagraph_mode": "NONE"}}\'')
+    ap.add_argument("--engines", default="", help="comma-separated engine names (before --tag): run only these of the experiments' engines")
     ap.add_argument("--tag", default="", help="suffix for the engine names, so variants keep their own results")
     args = ap.parse_args()
     began = time.perf_counter()
@@ -247,6 +258,8 @@ def main() -> None:
     only = set(args.only.split(","))
     unknown = only - {"concurrency", "lora", "graphs", "codebooks", "chunk"}
     cases = engine_cases(models, only, [int(c) for c in args.chunks.split(",")])
+    if args.engines:
+        cases = [c for c in cases if c["name"] in args.engines.split(",")]
     if args.eager:
         cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
     cases = [{**c, "name": c["name"] + args.tag, "repeats": args.repeats, "engine_args": args.engine_args} for c in cases]
