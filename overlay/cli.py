@@ -125,7 +125,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     report = diagnose(args.model_dir, gpu_mem=args.gpu_mem, gpus=args.gpus, tp=args.tp,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype,
-                      utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only)
+                      utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only,
+                      enable_lora=args.enable_lora)
     if args.json:
         print(as_json(report), file=args.json_out)
     else:
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
     doctor.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     doctor.add_argument("--language-model-only", action="store_true", help="text only: no processor files, no image budget")
+    doctor.add_argument("--enable-lora", action="store_true", help="the engine will run with --enable-lora")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)

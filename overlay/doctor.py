@@ -35,6 +35,11 @@ KNOWN_ARCHS = {
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz")
 ROW = ("o_proj", "down_proj", "out_proj")
 DEFAULT_LONGEST_EDGE = 16_777_216
+# aphrodite versions whose default compiled mode (torch.compile + CUDA graphs) crashes on EXL3 Qwen3.5
+# GDN models without LoRA: docs/upstream/exl3-compiled-illegal-address.md (H200 run 9, 2026-12-01).
+COMPILED_CRASH = {"0.21.0": "measured on an H200",
+                  "0.20.0": "same merged in_proj_qkvz construction as 0.21.0, not measured"}
+COMPILED_WORKAROUND = """--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'"""
 
 
 @dataclass
@@ -174,6 +179,22 @@ def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, di
         report.add("OK", "tp-alignment", f"every EXL3 dimension splits into 128-multiples at TP={tp}")
 
 
+def check_compiled_mode(report: Report, config: dict, enable_lora: bool, version: str | None) -> None:
+    """Warn where the installed aphrodite's default compiled mode is known to crash on this model."""
+    qcfg = config.get("quantization_config") or {}
+    arch = (config.get("architectures") or ["?"])[0]
+    gdn = "linear_attention" in (text_config(config).get("layer_types") or [])
+    if qcfg.get("quant_method") != "exl3" or not gdn or not arch.startswith("Qwen3_5") or version not in COMPILED_CRASH:
+        return
+    where = f"aphrodite {version} ({COMPILED_CRASH[version]}; docs/upstream/exl3-compiled-illegal-address.md)"
+    if enable_lora:
+        report.add("OK", "compiled-mode", f"with --enable-lora the default compiled mode works on {where}")
+    else:
+        report.add("WARN", "compiled-mode", f"without --enable-lora the default compiled mode crashes on EXL3 GDN "
+                   f"models in {where}: an illegal memory access in the first profiling run, overlay or not. Start "
+                   f"the engine with {COMPILED_WORKAROUND} (decode CUDA graphs, no torch.compile) or --enforce-eager")
+
+
 def check_files(report: Report, folder: Path, config: dict, language_model_only: bool) -> None:
     arch = (config.get("architectures") or ["?"])[0]
     if arch in KNOWN_ARCHS:
@@ -211,7 +232,8 @@ def overlay_status(report: Report) -> None:
 
 def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1, tp: int = 1,
              max_model_len: int | None = None, max_num_seqs: int = 256, kv_dtype: str = "auto",
-             utilization: float = 0.9, language_model_only: bool = False, check_overlay: bool = True) -> Report:
+             utilization: float = 0.9, language_model_only: bool = False, check_overlay: bool = True,
+             enable_lora: bool = False) -> Report:
     folder = Path(model_dir)
     report = Report(str(folder))
     cfg_path = folder / "config.json"
@@ -242,6 +264,9 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
     report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
     if check_overlay:
         overlay_status(report)
+        from . import aphrodite_version
+
+        check_compiled_mode(report, config, enable_lora, aphrodite_version())
 
     kv_tok, kv_formula = kv_bytes_per_token(text, kv_dtype)
     recurrent, conv, state_formula = state_bytes_per_sequence(text)

@@ -100,3 +100,26 @@ def test_cli_json(tiny, capsys):
     code = main(["doctor", str(tiny), "--language-model-only", "--json", "--gpu-mem", "12"])
     out = json.loads(capsys.readouterr().out)
     assert code == out["exit_code"] and out["plan"]["kv_bytes_per_token"] == 2048
+
+
+@pytest.mark.parametrize("version, enable_lora, expected", [
+    ("0.21.0", False, "WARN"),  # measured: the compiled engine crashes without LoRA
+    ("0.21.0", True, "OK"),     # measured: with LoRA (separate GDN projections) it compiles
+    ("0.20.0", False, "WARN"),  # the same construction
+    ("0.24.1", False, None),    # not measured: no claim
+    (None, False, None),        # aphrodite not installed
+])
+def test_compiled_mode_warning_names_the_workaround(tiny, version, enable_lora, expected):
+    from hybrid_exl3_fixes.doctor import Report, check_compiled_mode
+
+    config = json.loads((tiny / "config.json").read_text())
+    report = Report(str(tiny))
+    check_compiled_mode(report, config, enable_lora, version)
+    assert levels(report).get("compiled-mode") == expected
+    if expected == "WARN":
+        msg = report.findings[0].message
+        assert '"cudagraph_mode": "FULL_DECODE_ONLY"' in msg and "--enforce-eager" in msg and version in msg
+    dense = {**config, "quantization_config": None}
+    quiet = Report(str(tiny))
+    check_compiled_mode(quiet, dense, enable_lora, version)
+    assert quiet.findings == []  # the dense twin compiles
