@@ -1,7 +1,7 @@
 """Tables, issue 7's goals and plots from bench/serving.py's DIR/serving.csv and DIR/serving.json.
 
     python3 bench/plot_serving.py DIR [--out bench/results] [--title "NVIDIA H200, aphrodite 0.21.0"]
-                                      [--variant -fullgraph-nocompile]
+                                      [--variant=-fullgraph-nocompile]
 
 Writes OUT/serving.md and OUT/serving_{concurrency,lora,chunk}.png (plots need matplotlib).
 ``--variant SUFFIX`` reports the engines that serving.py ran with ``--tag=SUFFIX`` under their plain
@@ -34,11 +34,11 @@ def load(src: Path, variant: str = "") -> tuple[list[dict], dict]:
             except (TypeError, ValueError):
                 pass
     engines = json.loads((src / "serving.json").read_text())
-    for name, e in engines.items():  # the engine arguments of --engine-args live in serving.py's case file
-        log = src / f"engine-{name}.log"
+    for name, e in engines.items():
+        log = src / f"engine-{name}.log"  # results written before serving.py recorded the cause
         if not e.get("ok") and not e.get("cause") and log.is_file():
             e["cause"] = root_cause(log.read_text(errors="replace"))
-        case = src / f"case-{name}.json"
+        case = src / f"case-{name}.json"  # the engine's mode and --engine-args live in serving.py's case file
         if case.is_file():
             spec = json.loads(case.read_text())
             e.setdefault("engine_args", spec.get("engine_args", {}))
