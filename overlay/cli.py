@@ -73,7 +73,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     try:
-        spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp)
+        spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp,
+                               dtype=args.dtype)
         if args.device:
             _check_device(args.device)
         manifest = write_tiny(args.dir, spec, device=args.device, dense=not args.no_dense)
@@ -81,7 +82,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
-          f"{args.codebook}), {'' if args.no_dense else 'dense/ (decoded twin), '}{', '.join(manifest['adapters'])} (LoRA rank 8)")
+          f"{args.codebook}, config dtype {args.dtype}), {'' if args.no_dense else 'dense/ (decoded twin), '}{', '.join(manifest['adapters'])} (LoRA rank 8)")
     return 0
 
 
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
     tiny.add_argument("--device", help="torch device to pack and decode on, e.g. cuda (default: the CPU); "
                       "the EXL3 tensors are the same either way")
+    tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                      help="the config's dtype (default bfloat16, as exllamav3 keeps the source model's and "
+                           "Qwen3.5/3.6 are bfloat16); float16 writes the checkpoints of this project before 2026-12-01")
     tiny.add_argument("--no-dense", action="store_true", help="skip the dense twin (benchmarks never read it)")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-27b"],
                       help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks")

@@ -7,7 +7,8 @@ must reproduce the dense model's outputs up to fp16 arithmetic.
 Layout written under ``DIR``::
 
     exl3/       config.json (+quantization_config), quantization_config.json (tensor_storage),
-                model.safetensors, tokenizer files           -> aphrodite, quantization="exl3"
+                model.safetensors, tokenizer files, chat_template.jinja, generation_config.json
+                                                             -> aphrodite, quantization="exl3"
     dense/      the same model with the decoded weights (float32), same tokenizer -> HF reference
     lora-a/, lora-b/   PEFT LoRA adapters (rank 8, non-zero B) over the EXL3 projections
     manifest.json      what was written (bits, codebook per layer, seed, modules)
@@ -17,6 +18,20 @@ fused), ``in_proj_z``, ``out_proj``; attention ``q/k/v/o_proj``; MLP ``gate/up/d
 ``in_proj_a``, ``in_proj_b``, ``conv1d``, ``A_log``, ``dt_bias``, norms, embeddings, lm_head and
 the vision tower stay unquantized (lm_head: ``head_bits`` null, since aphrodite treats
 ``lm_head`` as EXL3 whenever ``head_bits`` is set).
+
+What the EXL3 folder holds follows what exllamav3 1.6.5 writes for a Qwen3.5/3.6 source model
+(``conversion/compile.py``, checked against its sources in tests/unit/test_exllamav3_layout.py):
+- config.json is the source model's, with ``quantization_config`` added (and
+  ``tie_word_embeddings`` false): its ``dtype`` stays the source's, ``bfloat16`` for every published
+  Qwen3.5/3.6 model, so that is the default here (``dtype="float16"`` writes the checkpoints this
+  project used before 2026-12-01);
+- every non-tensor file of the source is copied: the chat template (``chat_template.jinja``, the
+  Qwen3 family's ChatML with ``enable_thinking``), ``generation_config.json``, the tokenizer;
+- unquantized tensors keep the source dtype where exllamav3 loads them with ``allow_bf16`` (the
+  embedding, every RMSNorm weight, the GDN ``conv1d``, ``A_log``, ``dt_bias``) and become float16
+  where it does not (the unquantized linears ``in_proj_a``/``in_proj_b``, an unquantized
+  ``lm_head``); the GDN ``dt_bias``, ``A_log`` and output norm are bfloat16 in both dtypes (its
+  GDN kernel and gated norm take nothing else).
 """
 
 from __future__ import annotations
@@ -39,6 +54,10 @@ LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_p
                 "gate_proj", "up_proj", "down_proj")
 SPECIAL_TOKENS = {"<|image_pad|>": 500, "<|video_pad|>": 501, "<|vision_start|>": 502, "<|vision_end|>": 503,
                   "<|endoftext|>": 504, "<|im_start|>": 505, "<|im_end|>": 506}
+# Added (not special) tokens, as Qwen3-family tokenizers have them: the template writes them and a
+# reasoning parser reads them back from the detokenized text.
+THINK_TOKENS = {"<think>": 507, "</think>": 508}
+DTYPES = ("bfloat16", "float16")
 
 
 @dataclass
@@ -63,7 +82,8 @@ class TinySpec:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     tp: int = 2  # the largest tensor-parallel size the checkpoint must split evenly for
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
-    max_position: int = 1024  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
+    max_position: int = 4096  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
+    dtype: str = "bfloat16"  # the config's dtype, as exllamav3 keeps the source model's (DTYPES)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TinySpec":
@@ -84,6 +104,8 @@ class TinySpec:
 
 
 def _check(spec: TinySpec) -> None:
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
         raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
     if not 1 <= spec.bits <= 8:
@@ -122,7 +144,7 @@ def hf_config(spec: TinySpec) -> dict:
         "partial_rotary_factor": rotary,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
                             "mrope_section": mrope, "mrope_interleaved": True},
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "dtype": "float16",
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "dtype": spec.dtype,
     }
     # deepstack_visual_indexes and hidden_act: exllamav3's Qwen3.5 config reader requires them
     # (read_qwen3_vl_vision_config, no default), as the published Qwen3.5 configs carry them.
@@ -136,7 +158,7 @@ def hf_config(spec: TinySpec) -> dict:
         "image_token_id": SPECIAL_TOKENS["<|image_pad|>"], "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
         "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
         "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "tie_word_embeddings": False, "dtype": "float16",
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "tie_word_embeddings": False, "dtype": spec.dtype,
     }
 
 
@@ -163,26 +185,100 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"s
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
-def _tokenizer_files(dest: Path, vocab_size: int) -> None:
-    """A byte-level tokenizer (256 byte tokens, fillers, the Qwen special tokens) built locally."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+# The chat template, in the Qwen3 family's ChatML form as Qwen3.5/3.6 checkpoints ship it in
+# chat_template.jinja (written for this project, not copied): system/user/assistant/tool turns,
+# image and video parts as vision pads, tool calls as <tool_call> JSON, reasoning kept only for the
+# assistant turns after the last user query, and ``enable_thinking=false`` closing an empty think
+# block in the generation prompt so the model answers directly.
+CHAT_TEMPLATE = r"""{%- macro render(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}<|vision_start|><|image_pad|><|vision_end|>
+{%- elif part.type == 'video' or 'video' in part -%}<|vision_start|><|video_pad|><|vision_end|>
+{%- elif 'text' in part -%}{{- part.text -}}
+{%- endif -%}
+{%- endfor -%}
+{%- elif content is not none -%}{{- content | string -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set system_first = messages and messages[0].role == 'system' -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if system_first -%}{{- render(messages[0].content) + '\n\n' -}}{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>' -}}
+{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\n</tools>\n\nFor each call, answer with a JSON object {"name": ..., "arguments": ...} inside <tool_call></tool_call> tags.<|im_end|>\n' -}}
+{%- elif system_first -%}
+{{- '<|im_start|>system\n' + render(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- set content = render(message.content) -%}
+{%- if message.role == 'system' -%}
+{%- if not loop.first -%}{{- '<|im_start|>system\n' + content + '<|im_end|>\n' -}}{%- endif -%}
+{%- elif message.role == 'user' -%}
+{{- '<|im_start|>user\n' + content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' -%}
+{%- if '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if loop.index0 > ns.last_query and reasoning -%}{{- '<think>\n' + reasoning + '\n</think>\n\n' -}}{%- endif -%}
+{{- content -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{{- ('\n' if content or not loop.first else '') + '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
+{{- (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+# generation_config.json as Qwen3-family checkpoints ship it: both end tokens, the family's
+# recommended sampling (aphrodite's `--generation-config auto`, the default, takes these as the
+# server's default sampling parameters).
+GENERATION_CONFIG = {"eos_token_id": [SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]],
+                     "pad_token_id": SPECIAL_TOKENS["<|endoftext|>"], "do_sample": True, "temperature": 0.6,
+                     "top_p": 0.95, "top_k": 20}
+
+
+def _tokenizer_files(dest: Path, vocab_size: int, max_length: int) -> None:
+    """A byte-level tokenizer (256 byte tokens, fillers, the Qwen special and think tokens) built
+    locally, the chat template and the generation config."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
-    specials = {i: t for t, i in SPECIAL_TOKENS.items()}
+    named = {i: t for t, i in {**SPECIAL_TOKENS, **THINK_TOKENS}.items()}
     for i in range(len(vocab), vocab_size):
-        vocab[specials.get(i, f"<|extra_{i}|>")] = i
+        vocab[named.get(i, f"<|extra_{i}|>")] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in THINK_TOKENS])
     tok.save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 1024, "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": max_length, "clean_up_tokenization_spaces": False,
     }, indent=2))
-    (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": SPECIAL_TOKENS["<|endoftext|>"]}))
+    (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (dest / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
 
 
 def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None,
@@ -214,10 +310,14 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device:
 
 
 def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
-    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration: fp16 values, except
-    the GDN's dt_bias, A_log and output-norm weight in bfloat16."""
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=gen) * std).to(torch.float16)
+    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration, in the dtypes
+    exllamav3 writes them (module docstring): ``keep`` (the config's dtype) for what its loaders read
+    with ``allow_bf16`` -- embedding, RMSNorm weights, the GDN conv1d --, float16 for the unquantized
+    linears and the vision tower, bfloat16 for the GDN dt_bias, A_log and output norm."""
+    keep = getattr(torch, spec.dtype)
+
+    def rnd(*shape, std=0.02, dtype=torch.float16):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
     v = cfg["vision_config"]
     state = {
@@ -230,8 +330,8 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
         "model.visual.merger.linear_fc1.bias": rnd(4 * v["hidden_size"]),
         "model.visual.merger.linear_fc2.weight": rnd(spec.hidden, 4 * v["hidden_size"]),
         "model.visual.merger.linear_fc2.bias": rnd(spec.hidden),
-        "model.language_model.embed_tokens.weight": rnd(spec.vocab, spec.hidden, std=1.0),
-        "model.language_model.norm.weight": rnd(spec.hidden, std=0.1),
+        "model.language_model.embed_tokens.weight": rnd(spec.vocab, spec.hidden, std=1.0, dtype=keep),
+        "model.language_model.norm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
         "lm_head.weight": rnd(spec.vocab, spec.hidden, std=0.1),
     }
     b = "model.visual.blocks.0."
@@ -246,8 +346,8 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     conv_dim = 2 * spec.gdn_key_heads * spec.gdn_head_dim + spec.gdn_value_heads * spec.gdn_head_dim
     for n, kind in enumerate(spec.layer_types):
         p = f"model.language_model.layers.{n}."
-        state[p + "input_layernorm.weight"] = rnd(spec.hidden, std=0.1)
-        state[p + "post_attention_layernorm.weight"] = rnd(spec.hidden, std=0.1)
+        state[p + "input_layernorm.weight"] = rnd(spec.hidden, std=0.1, dtype=keep)
+        state[p + "post_attention_layernorm.weight"] = rnd(spec.hidden, std=0.1, dtype=keep)
         if kind == "linear_attention":
             vh = spec.gdn_value_heads
             # bfloat16, as published Qwen3.5 checkpoints and exllamav3's output store them: exllamav3's
@@ -255,13 +355,13 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
             # gated RMS norm a float32 or bfloat16 weight (norm.cu)
             state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.bfloat16)
             state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.bfloat16)
-            state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3)
+            state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3, dtype=keep)
             state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.bfloat16)
             state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
             state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
         else:
-            state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1)
-            state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1)
+            state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
+            state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
     return state
 
 
@@ -306,7 +406,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     exl3_dir, dense_dir = tmp / "exl3", tmp / "dense"
     for d in (exl3_dir, dense_dir) if dense else (exl3_dir,):
         d.mkdir()
-        _tokenizer_files(d, spec.vocab)
+        _tokenizer_files(d, spec.vocab, spec.max_position)
         (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     quant_cfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(spec.bits), "head_bits": None,
                  "codebook": spec.codebook, "calibration": {"synthetic": True, "seed": spec.seed}}

@@ -227,3 +227,85 @@ def test_gdn_tensors_have_the_dtypes_exllamav3s_kernel_takes(tiny):
                     seen += 1
                     assert str(f.get_tensor(key).dtype) in rules[arg], (key, rules[arg])
     assert seen == 3 * sum(t == "linear_attention" for t in TinySpec().layer_types)
+
+
+def test_exllamav3_output_keeps_the_source_config_dtype():
+    """conversion/compile.py writes the output's config.json by loading the source model's, setting
+    quantization_config (and update_config's tie_word_embeddings) and nothing else: a bfloat16
+    Qwen3.5/3.6 model gives a bfloat16 EXL3 checkpoint, which is why make-tiny defaults to bfloat16."""
+    compile_src = (EXL / "conversion" / "compile.py").read_text()
+    tree = ast.parse(compile_src)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "compile_model")
+    loads = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.value) == "json.load(f)"]
+    assert [ast.unparse(t) for n in loads for t in n.targets] == ["config_dict"]
+    assert 'open(os.path.join(in_dir, "config.json"), "r")' in compile_src.replace("'", '"')
+    written = {ast.unparse(t.slice) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets
+               if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "config_dict"}
+    assert written == {"'quantization_config'"}
+    callers = {ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)
+               and any(ast.unparse(a) == "config_dict" for a in n.args)}
+    assert callers == {"update_config", "json.dumps"}  # updated, then written out
+    update = next(n for n in ast.walk(parse("conversion/quant_config.py"))
+                  if isinstance(n, ast.FunctionDef) and n.name == "update_config")
+    keys = {ast.unparse(t.slice) for n in ast.walk(update) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Subscript)}
+    assert keys == {"'tie_word_embeddings'"}
+    assert "dtype" not in ast.unparse(update) and "torch_dtype" not in compile_src
+
+
+def test_exllamav3_copies_the_chat_template_and_generation_config(tmp_path):
+    """compile.py copies every non-tensor file of the source folder except config.json, the shard
+    index and pickled weights, so a converted Qwen3.5/3.6 checkpoint carries the source's
+    chat_template.jinja and generation_config.json: the writer ships both."""
+    fn = next(n for n in ast.walk(parse("conversion/compile.py"))
+              if isinstance(n, ast.FunctionDef) and n.name == "compile_model")
+    skipped_names, skipped_ends = set(), set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Compare) and ast.unparse(node.left) == "f" and isinstance(node.ops[0], ast.Eq):
+            skipped_names.add(node.comparators[0].value)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("f.endswith", "f.endswith(x)"):
+            skipped_ends.add(node.args[0].value) if isinstance(node.args[0], ast.Constant) else None
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) for e in node.elts) and node.elts \
+                and all(str(e.value).startswith(".") for e in node.elts):
+            skipped_ends |= {e.value for e in node.elts}
+    assert skipped_names == {"config.json", "model.safetensors.index.json"}
+    assert {".safetensors", ".bin", ".pt"} <= skipped_ends
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    shipped = {p.name for p in (tmp_path / "t" / "exl3").iterdir()}
+    copied = {n for n in shipped if n not in skipped_names and not n.endswith(tuple(skipped_ends))}
+    assert {"chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "preprocessor_config.json"} <= copied
+
+
+def allow_bf16_loads(rel: str) -> dict[str, bool]:
+    """key expression -> whether exllamav3 loads it with allow_bf16=True (kept bfloat16) in ``rel``."""
+    found = {}
+    for node in ast.walk(parse(rel)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_tensor":
+            flag = next((k.value for k in node.keywords if k.arg == "allow_bf16"), None)
+            found[ast.unparse(node.args[0])] = isinstance(flag, ast.Constant) and flag.value is True
+    return found
+
+
+def test_unquantized_tensor_dtypes_are_what_exllamav3_writes(tmp_path):
+    """exllamav3 saves what its modules loaded: tensors read with allow_bf16=True keep bfloat16
+    (embedding, RMSNorm, the GDN conv1d / A_log / dt_bias), an unquantized Linear's weight is read
+    without it and becomes float16 (in_proj_a / in_proj_b, an unquantized lm_head)."""
+    from safetensors import safe_open
+
+    assert allow_bf16_loads("modules/embedding.py")["self.key + '.weight'"]
+    assert allow_bf16_loads("modules/rmsnorm.py")["self.tensor_key"]
+    gdn = allow_bf16_loads("modules/gated_delta_net.py")
+    assert gdn["self.key_conv1d_weight"] and gdn["self.key_a_log"] and gdn["self.key_dt_bias"]
+    linear = allow_bf16_loads("modules/linear.py")
+    assert not linear["key + '.weight'"] and not linear["k + '.weight'"]
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    kept = ("embed_tokens.weight", "layernorm.weight", "language_model.norm.weight", "q_norm.weight",
+            "k_norm.weight", "conv1d.weight", "A_log", "dt_bias", "linear_attn.norm.weight")
+    with safe_open(str(tmp_path / "t" / "exl3" / "model.safetensors"), "pt") as f:
+        for key in (k for k in f.keys() if "visual" not in k):
+            dtype = str(f.get_slice(key).get_dtype())
+            if key.endswith(kept):
+                assert dtype == "BF16", key
+            elif key.endswith(("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight")):
+                assert dtype == "F16", key

@@ -58,8 +58,75 @@ def test_tensor_storage_matches_the_safetensors(tiny):
         assert fin % 128 == 0 and fout % 128 == 0
         has = {m for m in ("mcg", "mul1") if prefix + "." + m in tensors}
         assert len(has) <= 1
-    unquantized = [k for k in tensors if k.endswith("in_proj_a.weight") or k.endswith("conv1d.weight")]
+    unquantized = [k for k in tensors if k.endswith("in_proj_a.weight") or k.endswith("in_proj_b.weight")]
     assert unquantized and all(tensors[k].dtype == torch.float16 for k in unquantized)
+
+
+# name suffix -> dtype in a bfloat16 checkpoint (the default) and in a --dtype float16 one
+DTYPE_RULES = {
+    "embed_tokens.weight": ("bfloat16", "float16"), "layernorm.weight": ("bfloat16", "float16"),
+    "language_model.norm.weight": ("bfloat16", "float16"), "conv1d.weight": ("bfloat16", "float16"),
+    "q_norm.weight": ("bfloat16", "float16"), "in_proj_a.weight": ("float16", "float16"),
+    "lm_head.weight": ("float16", "float16"), "linear_attn.dt_bias": ("bfloat16", "bfloat16"),
+    "linear_attn.A_log": ("bfloat16", "bfloat16"), "linear_attn.norm.weight": ("bfloat16", "bfloat16"),
+    ".suh": ("float16", "float16"), ".trellis": ("int16", "int16"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_config_and_tensor_dtypes_follow_the_checkpoint_dtype(tmp_path, dtype):
+    """bfloat16 by default, as exllamav3 writes a Qwen3.5/3.6 model; --dtype float16 writes the
+    checkpoints of this project's earlier GPU runs (float16 config, float16 tensors but the GDN trio)."""
+    manifest = write_tiny(tmp_path / "t", TinySpec(dtype=dtype), dense=False)
+    cfg = json.loads((tmp_path / "t" / "exl3" / "config.json").read_text())
+    assert cfg["dtype"] == cfg["text_config"]["dtype"] == dtype and manifest["spec"]["dtype"] == dtype
+    tensors = load_file(str(tmp_path / "t" / "exl3" / "model.safetensors"))
+    column = 0 if dtype == "bfloat16" else 1
+    for suffix, dtypes in DTYPE_RULES.items():
+        names = [k for k in tensors if k.endswith(suffix) and "visual" not in k]
+        assert names, suffix
+        assert {str(tensors[k].dtype) for k in names} == {f"torch.{dtypes[column]}"}, suffix
+
+
+def test_default_dtype_is_bfloat16_and_an_unknown_one_is_refused(tmp_path):
+    assert TinySpec().dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of bfloat16, float16"):
+        write_tiny(tmp_path / "x", TinySpec(dtype="float32"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_chat_template_and_generation_config(tiny):
+    """The folder carries what a Qwen3.5/3.6 checkpoint carries: chat_template.jinja (ChatML,
+    enable_thinking) and generation_config.json; HF's tokenizer renders it as the server will."""
+    from transformers import AutoTokenizer
+
+    dest, _ = tiny
+    for folder in ("exl3", "dense"):
+        assert (dest / folder / "chat_template.jinja").is_file()
+        gen = json.loads((dest / folder / "generation_config.json").read_text())
+        assert gen["eos_token_id"] == [506, 504] and gen["top_k"] == 20
+    tok = AutoTokenizer.from_pretrained(dest / "exl3")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello"},
+                {"role": "user", "content": [{"type": "text", "text": "this: "}, {"type": "image"}]}]
+    off = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    on = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert off == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\nHello<|im_end|>\n"  # history reasoning dropped
+                   "<|im_start|>user\nthis: <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on == off[: -len("<think>\n\n</think>\n\n")]
+    ids = tok.apply_chat_template(messages[1:2], add_generation_prompt=True, enable_thinking=False, return_dict=False)
+    assert ids[-6:] == [507, 198, 198, 508, 198, 198]  # <think> \n \n </think> \n \n: single tokens
+    # a tool turn after the last user query keeps its reasoning
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    turn = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "reasoning_content": "ask the clock", "content": "",
+             "tool_calls": [{"function": {"name": "now", "arguments": {}}}]},
+            {"role": "tool", "content": "12:00"}]
+    text = tok.apply_chat_template(turn, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"name": "now"' in text and "<think>\nask the clock\n</think>" in text
+    assert "<tool_response>\n12:00\n</tool_response><|im_end|>" in text
 
 
 def test_dense_twin_holds_the_decoded_weights(tiny):
@@ -125,6 +192,9 @@ def test_make_tiny_cli(tmp_path):
 
     assert main(["make-tiny", str(tmp_path / "a"), "--bits", "2", "--codebook", "3inst"]) == 0
     assert (tmp_path / "a" / "exl3" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "a" / "exl3" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert main(["make-tiny", str(tmp_path / "f"), "--dtype", "float16", "--no-dense"]) == 0
+    assert json.loads((tmp_path / "f" / "exl3" / "config.json").read_text())["dtype"] == "float16"
     assert main(["make-tiny", str(tmp_path / "a")]) == 2  # not empty: refused
     assert main(["make-tiny", str(tmp_path / "b"), "--tp", "4"]) == 2
     assert not (tmp_path / "b").exists()
