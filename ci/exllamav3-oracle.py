@@ -20,6 +20,7 @@ exllamav3 must be importable with its built extension (ci/exllamav3-build.py); e
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -155,7 +156,7 @@ def aphrodite_vs(own: list[torch.Tensor], case: dict, work: Path, name: str, **l
         c = compare_prompt_logprobs(out["prompt_logprobs"], own[out["index"]])
         rows.append({"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3": c["max_abs_dlogprob"],
                      "argmax_agree": f"{c['argmax_agree']}/{c['positions']}"})
-    result(**labels, ok=True, start_s=res["start_s"], requests=rows, p3_summary="applied=4" in res["output"])
+    result(**labels, ok=True, start_s=res["start_s"], requests=rows, overlay_summary=sorted(set(re.findall(r"hybrid-exl3-fixes: (applied=[^\n]*)", res["output"]))))
 
 
 if __name__ == "__main__":

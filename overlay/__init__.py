@@ -12,12 +12,12 @@ import logging
 
 from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import utils as _p2
-from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1 and P3
+from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3 and P4
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
 __all__ = ["PATCHES", "REGISTRY", "apply_all", "undo_all", "status", "summary", "register", "DISABLE_ENV"]
 
-PATCHES: list[Patch] = [_p1.PATCH, _p2.PATCH, _p2b.PATCH, _p1.PATCH_P3]
+PATCHES: list[Patch] = [_p1.PATCH, _p2.PATCH, _p2b.PATCH, _p1.PATCH_P3, _p1.PATCH_P4]
 REGISTRY = Registry(PATCHES)
 
 

@@ -66,7 +66,7 @@ def test_patched_lora_matches_hf_peft(tp, tiny, prompt_ids, workdir, reference, 
     result = run_engine(lora_case(tiny, prompt_ids, loras, tp, batches=[[0, 1, 2], [1], [2], [1]]), workdir,
                         f"patched-lora-tp{tp}")
     assert result["ok"], result.get("error", "") + result["output"][-3000:]
-    summaries = result["output"].count("hybrid-exl3-fixes: applied=4 upstream_fixed=0 drifted=0")
+    summaries = result["output"].count("hybrid-exl3-fixes: applied=5 upstream_fixed=0 drifted=0")
     record(f"TP={tp} patched EXL3 + LoRA", start_s=result["start_s"], overlay_summary_lines=summaries)
     assert summaries >= 2  # process 0 and the engine core (and any worker) each applied it
     for n, out in enumerate(result["outputs"]):

@@ -161,7 +161,8 @@ def _dense_base():
 @needs_buggy
 def test_probes_report_the_bugs_and_apply_clears_them(overlay):
     results = [r for r in overlay.apply_all() if r.patch.id != "P3"]  # P3: test_p3_gemm_cache.py
-    assert [(r.patch.id, r.status.value) for r in results] == [("P1", "APPLIED"), ("P2", "APPLIED"), ("P2b", "APPLIED")]
+    assert [(r.patch.id, r.status.value) for r in results] == [("P1", "APPLIED"), ("P2", "APPLIED"), ("P2b", "APPLIED"),
+                                                               ("P4", "APPLIED")]
     # the registry re-probes after patching; here the probes are asked directly as well
     from hybrid_exl3_fixes.registry import Registry
 
@@ -206,7 +207,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3"} == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P2b", "P2", "P1"]
+    assert overlay.undo_all() == ["P4", "P2b", "P2", "P1"]
     assert all(current()[k] is originals[k] for k in originals)
     assert overlay.undo_all() == []
 
@@ -218,7 +219,7 @@ def test_disable_switch(overlay, monkeypatch):
     original = vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"]
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P1")
     results = {r.patch.id: r.status.value for r in overlay.apply_all()}
-    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS}
+    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS, "P4": "APPLIED"}
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
     overlay.REGISTRY.results.clear()
@@ -240,7 +241,9 @@ def test_fixed_release_is_left_alone(overlay):
     after = (vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], utils._get_lora_device,
              base_linear._get_lora_device, fused_moe._get_lora_device)
     assert all(a is b for a, b in zip(before, after))
-    assert "hybrid-exl3-fixes: applied=1 upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
+    # P2b and P4 are still needed there (0.24.1 has the same weight property and the same apply)
+    assert results["P2b"].status.value == results["P4"].status.value == "APPLIED"
+    assert "hybrid-exl3-fixes: applied=2 upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 

@@ -55,8 +55,8 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
     assert proc.returncode == 0, proc.stderr
     out = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     if HAS_UPSTREAM_BUGS:
-        assert out["results"] == {"P1": "APPLIED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS}
-        assert "hybrid-exl3-fixes: applied=3 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
+        assert out["results"] == {"P1": "APPLIED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS, "P4": "APPLIED"}
+        assert "hybrid-exl3-fixes: applied=4 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
     else:
         assert out["results"]["P1"] == out["results"]["P2"] == "UPSTREAM_FIXED"
     assert out["answer"] == "[(0, 1, 2)]"
@@ -201,7 +201,8 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
     code, report = run_status(aphrodite_copy)
     assert code == 0
     assert {p["id"]: p["status"] for p in report["patches"]} == {"P1": "UPSTREAM_FIXED", "P2": "UPSTREAM_FIXED",
-                                                                 "P2b": "UPSTREAM_FIXED", "P3": NO_KERNELS}
+                                                                 "P2b": "UPSTREAM_FIXED", "P3": NO_KERNELS,
+                                                                 "P4": "UPSTREAM_FIXED"}
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "upstream")],
                           env=subprocess_env(aphrodite_copy, HYBRID_EXL3_FIXES_UPSTREAM_MODE="raw"),
