@@ -113,8 +113,10 @@ def worker(case_path: str) -> None:
     from aphrodite import LLM
     from aphrodite.lora.request import LoRARequest
 
+    # the engine's defaults (attention backend, torch.compile + CUDA graphs) except the GDN prefill
+    # backend: FlashInfer's JIT-compiles for minutes on a fresh machine (FACTS.md)
     kwargs = dict(model=case["model"], quantization="exl3", max_model_len=case["max_model_len"],
-                  gpu_memory_utilization=0.85, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
+                  gpu_memory_utilization=0.85, gdn_prefill_backend="triton",
                   language_model_only=True, max_num_seqs=case["max_num_seqs"], seed=0,
                   enforce_eager=case.get("enforce_eager", False))
     if "max_num_batched_tokens" in case:

@@ -38,16 +38,23 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def pytest_sessionfinish(session, exitstatus):
+def save_results() -> None:
     path = os.environ.get("HXF_GPU_RESULTS")
     if path and RESULTS:
         Path(path).write_text(json.dumps(RESULTS, indent=2, default=str))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    save_results()
+
+
 @pytest.fixture(scope="session")
 def record():
+    """record(name, **values): kept in RESULTS and written out at once, so a run stopped by the
+    device call's time limit still leaves every measurement made so far."""
     def put(name, **values):
         RESULTS.setdefault(name, {}).update(values)
+        save_results()
     return put
 
 

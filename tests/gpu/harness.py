@@ -42,3 +42,86 @@ def compare(prompt_logprobs: list, ref) -> dict:
         best = max(entry.items(), key=lambda kv: kv[1])[0]
         argmax_same += int(int(best) == int(row.argmax()))
     return {"max_abs_dlogprob": max_diff, "argmax_agree": argmax_same, "positions": positions}
+
+
+class Reference:
+    """HF transformers + PEFT on the dense twin (float32, on the GPU): log-probabilities of any token
+    sequence with no adapter or with any adapter make-tiny wrote (all loaded once, switched by name)."""
+
+    def __init__(self, tiny: Path, adapters: tuple[str, ...] = ("lora-a", "lora-b")):
+        import torch
+        from peft import PeftModel
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        base = Qwen3_5ForConditionalGeneration.from_pretrained(tiny / "dense", dtype=torch.float32).cuda().eval()
+        model = PeftModel.from_pretrained(base, tiny / adapters[0], adapter_name=adapters[0])
+        for name in adapters[1:]:
+            model.load_adapter(tiny / name, adapter_name=name)
+        self.model, self.torch, self.cache = model.eval(), torch, {}
+
+    def logprobs(self, ids: list[int], adapter: str | None):
+        """(len(ids), vocab) log-softmax rows: row i is the distribution of token i + 1."""
+        import contextlib
+
+        key = (tuple(ids), adapter)
+        if key not in self.cache:
+            torch = self.torch
+            if adapter is not None:
+                self.model.set_adapter(adapter)
+            with torch.no_grad(), (self.model.disable_adapter() if adapter is None else contextlib.nullcontext()):
+                logits = self.model(input_ids=torch.tensor([ids]).cuda()).logits[0]
+            self.cache[key] = logits.float().log_softmax(-1).cpu()
+        return self.cache[key]
+
+
+def token_id(token: str) -> int:
+    """A served token with ``return_tokens_as_token_ids``: "token_id:123" -> 123."""
+    return int(token.rsplit(":", 1)[1])
+
+
+def served_completion(choice: dict) -> dict:
+    """A /v1/completions choice (``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs``
+    and optionally ``prompt_logprobs``) as token ids and {token id: logprob} per position."""
+    lp = choice.get("logprobs") or {}
+    generated = []
+    for token, sampled, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+        entry = {token_id(t): v for t, v in (top or {}).items()}
+        entry[token_id(token)] = sampled
+        generated.append(entry)
+    prompt = [None if d is None else {int(t): v["logprob"] for t, v in d.items()} for d in choice.get("prompt_logprobs") or []]
+    return {"prompt_ids": choice.get("prompt_token_ids") or [], "ids": choice.get("token_ids") or [],
+            "prompt": prompt, "generated": generated}
+
+
+def served_chat_logprobs(content: list[dict]) -> list[dict]:
+    """/v1/chat/completions ``logprobs.content`` (``return_tokens_as_token_ids``) -> {id: logprob} per position."""
+    rows = []
+    for item in content or []:
+        entry = {token_id(t["token"]): t["logprob"] for t in item.get("top_logprobs") or []}
+        entry[token_id(item["token"])] = item["logprob"]
+        rows.append(entry)
+    return rows
+
+
+def compare_served(reference: Reference, adapter: str | None, prompt_ids: list[int], ids: list[int],
+                   generated: list[dict], prompt: list | None = None) -> dict:
+    """Served log-probabilities against the reference at every reported entry: the prompt positions
+    (``prompt`` as served: None first) and each generated position, scored on the served tokens
+    themselves, so a greedy near-tie that picked another token does not count as a difference."""
+    if len(ids) != len(generated):
+        raise AssertionError(f"{len(ids)} generated tokens but {len(generated)} logprob rows")
+    rows = reference.logprobs(list(prompt_ids) + list(ids[:-1]) if ids else list(prompt_ids), adapter)
+    diffs = {"prompt": 0.0, "generated": 0.0}
+    counts = {"prompt": 0, "generated": 0}
+    argmax = 0
+    for part, entries, offset in (("prompt", prompt or [], -1), ("generated", generated, len(prompt_ids) - 1)):
+        for pos, entry in enumerate(entries):
+            if not entry:
+                continue
+            row = rows[pos + offset]
+            counts[part] += 1
+            diffs[part] = max(diffs[part], max(abs(lp - float(row[t])) for t, lp in entry.items()))
+            if part == "generated":
+                argmax += int(max(entry, key=entry.get) == int(row.argmax()))
+    return {"max_abs_dlogprob": max(diffs.values()), "prompt_max": diffs["prompt"], "generated_max": diffs["generated"],
+            "prompt_positions": counts["prompt"], "generated_positions": counts["generated"], "generated_argmax_agree": argmax}

@@ -444,7 +444,7 @@ def build_fp16_fused_cat(live: dict[str, Live]) -> dict[str, Any]:
 
     def apply(self, layer, x, bias=None):
         shards = layer.exl3_shard_ids
-        if x.dtype is not torch.float16 or getattr(layer, "exl3_can_mgemm", False) or len(shards) < 2:
+        if x.dtype != torch.float16 or getattr(layer, "exl3_can_mgemm", False) or len(shards) < 2:
             return original(self, layer, x, bias)
         x_2d = x.reshape(-1, x.shape[-1]).contiguous()
         output = join([self._apply_one(layer, x_2d, shard_id) for shard_id in shards])

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run a long job on the GPU machine across several device calls (each call is capped at 10 min;
+# the machine stays held while calls follow each other within 30 s).
+#   bash ci/device-bg.sh start NAME CMD...   copy this tree to /tmp/hxf-src (later calls may refresh
+#                                            the working copy), run CMD there detached (setsid), log
+#                                            to /tmp/hxf-bg/NAME.log, exit status to NAME.rc
+#   bash ci/device-bg.sh wait NAME SECONDS [FILE...]
+#                                            wait until NAME ends or SECONDS pass, then put the log's
+#                                            tail and each FILE that exists into $OUT (exit 0 when
+#                                            NAME has ended, 75 while it still runs)
+set -uo pipefail
+BG=/tmp/hxf-bg
+mkdir -p "$BG"
+case "${1:-}" in
+  start)
+    name=$2; shift 2
+    rm -rf /tmp/hxf-src && cp -a . /tmp/hxf-src && cd /tmp/hxf-src || exit 2
+    rm -f "$BG/$name.rc"
+    setsid bash -c '"$@" > '"$BG/$name.log"' 2>&1; echo $? > '"$BG/$name.rc" _ "$@" < /dev/null &
+    echo "started $name (pid $!) in /tmp/hxf-src, log $BG/$name.log"
+    ;;
+  wait)
+    name=$2 seconds=$3; shift 3
+    end=$((SECONDS + seconds))
+    while [ ! -e "$BG/$name.rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    mkdir -p "${OUT:-/tmp/out}"
+    tail -c 200000 "$BG/$name.log" > "${OUT:-/tmp/out}/$name.log" 2>/dev/null
+    for f in "$@"; do [ -e "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done
+    if [ -e "$BG/$name.rc" ]; then echo "$name ended: exit $(cat "$BG/$name.rc")"; exit 0; fi
+    echo "$name still running after ${seconds}s"; tail -5 "$BG/$name.log"; exit 75
+    ;;
+  *) echo "usage: $0 start NAME CMD... | wait NAME SECONDS [FILE...]" >&2; exit 2 ;;
+esac

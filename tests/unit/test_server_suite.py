@@ -1,0 +1,135 @@
+"""The GPU server suite's own machinery on the CPU (fake inputs): response parsing, the alignment of
+served log-probabilities with the reference's rows, and the Server process handling against a
+stand-in `aphrodite` command. The suite itself needs the GPU (tests/gpu/test_server.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+from harness import compare_served, served_chat_logprobs, served_completion, token_id  # noqa: E402
+from server import Server  # noqa: E402
+
+
+class TableReference:
+    """Fake reference: row i is a fixed distribution that depends on (i, adapter), so an off-by-one
+    in compare_served's indexing shows up as a difference."""
+
+    def __init__(self, vocab=16):
+        self.vocab = vocab
+        self.asked = []
+
+    def row(self, i, adapter):
+        g = torch.Generator().manual_seed(i * 7 + (0 if adapter is None else 3))
+        return torch.randn(self.vocab, generator=g).log_softmax(-1)
+
+    def logprobs(self, ids, adapter):
+        self.asked.append((list(ids), adapter))
+        return torch.stack([self.row(i, adapter) for i in range(len(ids))])
+
+
+def served_like(ref, adapter, prompt_ids, ids, k=3, shift=0):
+    """What a correct server would report (or, with shift, one that is off by ``shift`` positions)."""
+    rows = ref.logprobs(prompt_ids + ids[:-1], adapter)
+
+    def top(i, token):
+        row = rows[i + shift] if 0 <= i + shift < len(rows) else rows[i]
+        entry = {int(t): float(row[t]) for t in row.topk(k).indices}
+        entry[token] = float(row[token])
+        return entry
+
+    prompt = [None] + [top(i - 1, prompt_ids[i]) for i in range(1, len(prompt_ids))]
+    generated = [top(len(prompt_ids) - 1 + j, t) for j, t in enumerate(ids)]
+    return prompt, generated
+
+
+def test_compare_served_lines_up_prompt_and_generated_positions():
+    ref = TableReference()
+    prompt_ids, ids = [1, 5, 2, 9], [4, 4, 7]
+    prompt, generated = served_like(ref, "lora-a", prompt_ids, ids)
+    got = compare_served(ref, "lora-a", prompt_ids, ids, generated, prompt)
+    assert got["max_abs_dlogprob"] < 1e-6 and got["prompt_positions"] == 3 and got["generated_positions"] == 3
+    assert ref.asked[-1] == ([1, 5, 2, 9, 4, 4], "lora-a")  # the served tokens themselves, last one excluded
+    off = compare_served(ref, "lora-a", prompt_ids, ids, *served_like(ref, "lora-a", prompt_ids, ids, shift=1)[::-1])
+    assert off["max_abs_dlogprob"] > 0.1
+    other = compare_served(ref, None, prompt_ids, ids, generated, prompt)  # another adapter's reference
+    assert other["max_abs_dlogprob"] > 0.1
+    with pytest.raises(AssertionError, match="2 generated tokens but 3"):
+        compare_served(ref, None, prompt_ids, ids[:2], generated)
+
+
+def test_served_response_parsing():
+    choice = {"prompt_token_ids": [3, 4], "token_ids": [7, 8],
+              "prompt_logprobs": [None, {"4": {"logprob": -1.5, "rank": 2, "decoded_token": "x"},
+                                         "6": {"logprob": -0.5, "rank": 1, "decoded_token": "y"}}],
+              "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.1, -2.0],
+                           "top_logprobs": [{"token_id:7": -0.1, "token_id:1": -3.0}, {"token_id:2": -0.3}]}}
+    got = served_completion(choice)
+    assert got == {"prompt_ids": [3, 4], "ids": [7, 8], "prompt": [None, {4: -1.5, 6: -0.5}],
+                   "generated": [{7: -0.1, 1: -3.0}, {2: -0.3, 8: -2.0}]}
+    content = [{"token": "token_id:9", "logprob": -0.2, "top_logprobs": [{"token": "token_id:9", "logprob": -0.2},
+                                                                          {"token": "token_id:3", "logprob": -1.9}]}]
+    assert served_chat_logprobs(content) == [{9: -0.2, 3: -1.9}]
+    assert token_id("token_id:123") == 123
+
+
+FAKE_APHRODITE = textwrap.dedent('''\
+    #!{python}
+    """Stand-in for `aphrodite run MODEL --host H --port P ...`: MODEL "ok" serves /health,
+    MODEL "crash" prints an engine-core error and exits as aphrodite's front end does."""
+    import http.server, sys
+    args = sys.argv[1:]
+    model, port = args[1], int(args[args.index("--port") + 1])
+    print("INFO 00:00:00 hybrid-exl3-fixes: applied=5 upstream_fixed=0 drifted=0 (aphrodite 0.21.0)", flush=True)
+    if model == "crash":
+        print("ERROR 00:00:01 torch.AcceleratorError: CUDA error: an illegal memory access was encountered")
+        print("RuntimeError: Engine core initialization failed. See root cause above.")
+        sys.exit(1)
+    print("INFO 00:00:02 GPU KV cache size: 1,234 tokens", flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    ''')
+
+
+@pytest.fixture
+def fake_aphrodite(tmp_path, monkeypatch):
+    pytest.importorskip("httpx")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "aphrodite"
+    script.write_text(FAKE_APHRODITE.replace("{python}", sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_server_start_ready_figures_and_stop(fake_aphrodite):
+    server = Server("ok", "ok", ["--seed", "0"], 18931, fake_aphrodite / "ok.log", {"HXF_X": "1"})
+    server.start()
+    try:
+        assert server.wait_ready(60) and server.healthy() and server.ready_s is not None
+        assert server.overlay_lines() == ["applied=5 upstream_fixed=0 drifted=0 (aphrodite 0.21.0)"]
+        assert server.startup_figures() == {"kv_cache_tokens": 1234.0}
+        assert server.text().splitlines()[0].endswith("run ok --host 127.0.0.1 --port 18931 --seed 0")
+    finally:
+        server.stop()
+    assert not server.alive() and not server.healthy()
+
+
+def test_server_that_dies_reports_the_engine_core_error(fake_aphrodite):
+    server = Server("crash", "crash", [], 18932, fake_aphrodite / "crash.log")
+    server.start()
+    assert not server.wait_ready(60)
+    assert server.root_error() == "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    server.stop()
