@@ -127,7 +127,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report = diagnose(args.model_dir, gpu_mem=args.gpu_mem, gpus=args.gpus, tp=args.tp,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype,
                       utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only,
-                      enable_lora=args.enable_lora)
+                      enable_lora=args.enable_lora, dtype=args.dtype)
     if args.json:
         print(as_json(report), file=args.json_out)
     else:
@@ -136,6 +136,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybrid_exl3_fixes.doctor import DTYPE_CHOICES  # torch-free, light
+
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="apply through aphrodite's plugin loader and print each patch's status",
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     doctor.add_argument("--language-model-only", action="store_true", help="text only: no processor files, no image budget")
     doctor.add_argument("--enable-lora", action="store_true", help="the engine will run with --enable-lora")
+    doctor.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                        help="the engine's --dtype (default auto: the config's); float16 activations decide the "
+                             "compiled-mode check")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)

@@ -35,11 +35,10 @@ KNOWN_ARCHS = {
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz")
 ROW = ("o_proj", "down_proj", "out_proj")
 DEFAULT_LONGEST_EDGE = 16_777_216
-# aphrodite versions whose default compiled mode (torch.compile + CUDA graphs) crashes on EXL3 Qwen3.5
-# GDN models without LoRA: docs/upstream/exl3-compiled-illegal-address.md (H200 run 9, 2026-12-01).
-COMPILED_CRASH = {"0.21.0": "measured on an H200",
-                  "0.20.0": "same merged in_proj_qkvz construction as 0.21.0, not measured"}
-COMPILED_WORKAROUND = """--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'"""
+# --dtype values aphrodite accepts, by the activation dtype they give (auto: the config's)
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+FLOAT16 = ("float16", "half")
+COMPILED_CRASH_DOC = "docs/upstream/exl3-compiled-illegal-address.md"
 
 
 @dataclass
@@ -179,20 +178,47 @@ def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, di
         report.add("OK", "tp-alignment", f"every EXL3 dimension splits into 128-multiples at TP={tp}")
 
 
-def check_compiled_mode(report: Report, config: dict, enable_lora: bool, version: str | None) -> None:
-    """Warn where the installed aphrodite's default compiled mode is known to crash on this model."""
+def activation_dtype(config: dict, dtype: str = "auto") -> tuple[str, str]:
+    """The dtype the engine computes in, and where it comes from: ``--dtype``, else the config's
+    (aphrodite's ``auto``; a float32 or absent config dtype gives bfloat16 on a GPU that has it)."""
+    if dtype != "auto":
+        return ("float16" if dtype in FLOAT16 else dtype), f"--dtype {dtype}"
+    declared = config.get("dtype") or config.get("torch_dtype") or text_config(config).get("dtype") \
+        or text_config(config).get("torch_dtype")
+    if declared in ("bfloat16", "float16"):
+        return declared, f"config.json dtype {declared}"
+    return "bfloat16", f"config.json dtype {declared or 'not set'} (auto: bfloat16)"
+
+
+def check_compiled_mode(report: Report, config: dict, enable_lora: bool, dtype: str = "auto",
+                        p4_status: str | None = None) -> None:
+    """The default compiled mode crashes on EXL3 Qwen3.5 GDN models only with float16 activations
+    (an Inductor rewrite meets the bare cat EXL3's apply leaves when no cast follows; the overlay's P4
+    removes it): OK for bfloat16, and for float16 where P4 runs or upstream fixed it; WARN otherwise.
+    ``p4_status``: P4's status in this environment (None: the overlay could not be evaluated)."""
     qcfg = config.get("quantization_config") or {}
     arch = (config.get("architectures") or ["?"])[0]
     gdn = "linear_attention" in (text_config(config).get("layer_types") or [])
-    if qcfg.get("quant_method") != "exl3" or not gdn or not arch.startswith("Qwen3_5") or version not in COMPILED_CRASH:
+    if qcfg.get("quant_method") != "exl3" or not gdn or not arch.startswith("Qwen3_5"):
         return
-    where = f"aphrodite {version} ({COMPILED_CRASH[version]}; docs/upstream/exl3-compiled-illegal-address.md)"
-    if enable_lora:
-        report.add("OK", "compiled-mode", f"with --enable-lora the default compiled mode works on {where}")
+    act, source = activation_dtype(config, dtype)
+    if act != "float16":
+        report.add("OK", "compiled-mode", f"{act} activations ({source}): the default compiled mode works "
+                   f"(measured on aphrodite 0.21.0 with and without LoRA, {COMPILED_CRASH_DOC})")
+    elif p4_status in ("APPLIED", "UPSTREAM_FIXED"):
+        who = "the overlay's P4 is applied here" if p4_status == "APPLIED" else "the installed aphrodite fixed it"
+        report.add("OK", "compiled-mode", f"float16 activations ({source}): the default compiled mode crashes on EXL3 "
+                   f"GDN models unless the fused projection's outputs are joined behind an op boundary; {who} "
+                   f"({COMPILED_CRASH_DOC})")
     else:
-        report.add("WARN", "compiled-mode", f"without --enable-lora the default compiled mode crashes on EXL3 GDN "
-                   f"models in {where}: an illegal memory access in the first profiling run, overlay or not. Start "
-                   f"the engine with {COMPILED_WORKAROUND} (decode CUDA graphs, no torch.compile) or --enforce-eager")
+        lora = (" --enable-lora avoids it on 0.20/0.21 (separate GDN projections), not on 0.24." if enable_lora else
+                " On 0.20/0.21 --enable-lora avoids it too (separate GDN projections).")
+        report.add("WARN", "compiled-mode", f"float16 activations ({source}) and the overlay's P4 is not active "
+                   f"({p4_status or 'overlay not evaluated'}): aphrodite's default compiled mode crashes on EXL3 GDN "
+                   "models with \"CUDA error: an illegal memory access\" in the first profiling run (Inductor folds "
+                   "the GDN split into the EXL3 concat and changes the strides one graph piece hands the next). "
+                   f"Serve with --dtype bfloat16 (measured), or let the overlay's P4 run, or use --enforce-eager.{lora} "
+                   f"{COMPILED_CRASH_DOC}")
 
 
 def check_files(report: Report, folder: Path, config: dict, language_model_only: bool) -> None:
@@ -218,22 +244,24 @@ def check_files(report: Report, folder: Path, config: dict, language_model_only:
             report.add("OK", "processor", "processor files present")
 
 
-def overlay_status(report: Report) -> None:
+def overlay_status(report: Report) -> dict[str, str]:
+    """Adds the overlay's summary; returns {patch id: status} (empty when it cannot be evaluated)."""
     try:
         import hybrid_exl3_fixes as overlay
 
         results = overlay.status()
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
-        return
+        return {}
     drifted = [r for r in results if r.is_problem]
     report.add("WARN" if drifted else "OK", "overlay", overlay.summary(results))
+    return {r.patch.id: r.status.value for r in results}
 
 
 def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1, tp: int = 1,
              max_model_len: int | None = None, max_num_seqs: int = 256, kv_dtype: str = "auto",
              utilization: float = 0.9, language_model_only: bool = False, check_overlay: bool = True,
-             enable_lora: bool = False) -> Report:
+             enable_lora: bool = False, dtype: str = "auto") -> Report:
     folder = Path(model_dir)
     report = Report(str(folder))
     cfg_path = folder / "config.json"
@@ -263,10 +291,8 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
     counts = {t: layer_types.count(t) for t in sorted(set(layer_types))}
     report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
     if check_overlay:
-        overlay_status(report)
-        from . import aphrodite_version
-
-        check_compiled_mode(report, config, enable_lora, aphrodite_version())
+        statuses = overlay_status(report)
+        check_compiled_mode(report, config, enable_lora, dtype, statuses.get("P4"))
 
     kv_tok, kv_formula = kv_bytes_per_token(text, kv_dtype)
     recurrent, conv, state_formula = state_bytes_per_sequence(text)

@@ -102,24 +102,76 @@ def test_cli_json(tiny, capsys):
     assert code == out["exit_code"] and out["plan"]["kv_bytes_per_token"] == 2048
 
 
-@pytest.mark.parametrize("version, enable_lora, expected", [
-    ("0.21.0", False, "WARN"),  # measured: the compiled engine crashes without LoRA
-    ("0.21.0", True, "OK"),     # measured: with LoRA (separate GDN projections) it compiles
-    ("0.20.0", False, "WARN"),  # the same construction
-    ("0.24.1", False, None),    # not measured: no claim
-    (None, False, None),        # aphrodite not installed
+@pytest.mark.parametrize("checkpoint, dtype, p4, expected", [
+    ("bfloat16", "auto", None, "OK"),         # exllamav3's output of a Qwen3.5/3.6 model: measured, serves
+    ("bfloat16", "auto", "APPLIED", "OK"),
+    ("float16", "auto", "APPLIED", "OK"),     # measured: P4 removes the crash
+    ("float16", "auto", "UPSTREAM_FIXED", "OK"),
+    ("float16", "auto", "DISABLED", "WARN"),  # measured: the crash without P4
+    ("float16", "auto", None, "WARN"),        # overlay not evaluated: no claim it is fixed
+    ("bfloat16", "float16", "DISABLED", "WARN"),  # measured: --dtype float16 crashes a bfloat16 checkpoint
+    ("bfloat16", "half", "DRIFTED", "WARN"),
+    ("float16", "bfloat16", "DISABLED", "OK"),  # measured: --dtype bfloat16 serves a float16 checkpoint
 ])
-def test_compiled_mode_warning_names_the_workaround(tiny, version, enable_lora, expected):
+def test_compiled_mode_warns_only_for_float16_activations_without_p4(tiny, checkpoint, dtype, p4, expected):
     from hybrid_exl3_fixes.doctor import Report, check_compiled_mode
 
     config = json.loads((tiny / "config.json").read_text())
-    report = Report(str(tiny))
-    check_compiled_mode(report, config, enable_lora, version)
-    assert levels(report).get("compiled-mode") == expected
-    if expected == "WARN":
+    config = {**config, "dtype": checkpoint, "text_config": {**config["text_config"], "dtype": checkpoint}}
+    for enable_lora in (False, True):
+        report = Report(str(tiny))
+        check_compiled_mode(report, config, enable_lora, dtype, p4)
+        assert levels(report) == {"compiled-mode": expected}
         msg = report.findings[0].message
-        assert '"cudagraph_mode": "FULL_DECODE_ONLY"' in msg and "--enforce-eager" in msg and version in msg
+        if expected == "WARN":
+            assert "--dtype bfloat16" in msg and "--enforce-eager" in msg and "illegal memory access" in msg
+        else:
+            assert "--enforce-eager" not in msg  # no advice that costs speed
     dense = {**config, "quantization_config": None}
     quiet = Report(str(tiny))
-    check_compiled_mode(quiet, dense, enable_lora, version)
+    check_compiled_mode(quiet, dense, False, dtype, p4)
     assert quiet.findings == []  # the dense twin compiles
+
+
+def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_trigger(tmp_path, capsys):
+    """The must-show of issue 15 end to end: a make-tiny (bfloat16, as exllamav3 writes) checkpoint gets
+    OK; a float16 one gets OK where P4 runs (the installed aphrodite has the bug and the overlay fixes it)
+    and WARN where P4 is switched off."""
+    import os
+
+    from hybrid_exl3_fixes.cli import main
+
+    for dtype in ("bfloat16", "float16"):
+        write_tiny(tmp_path / dtype, TinySpec(dtype=dtype), dense=False)
+    for dtype, env, expected in (("bfloat16", None, "OK"), ("float16", None, "OK"), ("float16", "P4", "WARN")):
+        if env:
+            os.environ["HYBRID_EXL3_FIXES_DISABLE"] = env
+        try:
+            import hybrid_exl3_fixes
+
+            hybrid_exl3_fixes.undo_all()
+            hybrid_exl3_fixes.REGISTRY.results.clear()
+            report = diagnose(tmp_path / dtype / "exl3", language_model_only=True)
+        finally:
+            os.environ.pop("HYBRID_EXL3_FIXES_DISABLE", None)
+            hybrid_exl3_fixes.undo_all()
+            hybrid_exl3_fixes.REGISTRY.results.clear()
+        found = levels(report).get("compiled-mode")
+        from helpers import HAS_APHRODITE
+
+        if not HAS_APHRODITE:  # P4 NOT_APPLICABLE: float16 is warned, bfloat16 is fine
+            expected = "OK" if dtype == "bfloat16" else "WARN"
+        assert found == expected, (dtype, env, report.findings)
+    # the CLI takes --dtype: a bfloat16 checkpoint served as float16 without P4 is warned, exit 1
+    os.environ["HYBRID_EXL3_FIXES_DISABLE"] = "P4"
+    try:
+        capsys.readouterr()
+        code = main(["doctor", str(tmp_path / "bfloat16" / "exl3"), "--language-model-only", "--dtype", "float16", "--json"])
+    finally:
+        os.environ.pop("HYBRID_EXL3_FIXES_DISABLE", None)
+        hybrid_exl3_fixes.undo_all()
+        hybrid_exl3_fixes.REGISTRY.results.clear()
+    out = json.loads(capsys.readouterr().out)
+    compiled = [f for f in out["findings"] if f["check"] == "compiled-mode"]
+    assert [f["level"] for f in compiled] == ["WARN"] and "--dtype float16" in compiled[0]["message"]
+    assert code == out["exit_code"] == 1
