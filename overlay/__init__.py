@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 
 from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import utils as _p2
 from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3 and P4
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
-__all__ = ["PATCHES", "REGISTRY", "apply_all", "undo_all", "status", "summary", "register", "DISABLE_ENV"]
+__all__ = ["PATCHES", "REGISTRY", "apply_all", "undo_all", "status", "summary", "register", "plugin_gate",
+           "DISABLE_ENV", "PLUGIN_NAME"]
+
+PLUGIN_NAME = "hybrid_exl3_fixes"
 
 PATCHES: list[Patch] = [_p1.PATCH, _p2.PATCH, _p2b.PATCH, _p1.PATCH_P3, _p1.PATCH_P4]
 REGISTRY = Registry(PATCHES)
@@ -61,6 +65,17 @@ def summary(results: list[Result]) -> str:
         line += " " + " ".join(extra)
     version = aphrodite_version()
     return line + (f" (aphrodite {version})" if version else " (aphrodite not installed)")
+
+
+def plugin_gate() -> str | None:
+    """Why aphrodite would not load this plugin in its processes, or None when it would."""
+    names = {ep.name for ep in importlib.metadata.entry_points(group="aphrodite.general_plugins")}
+    if PLUGIN_NAME not in names:
+        return "the aphrodite.general_plugins entry point is not installed (pip install hybrid-exl3-fixes)"
+    allowed = os.environ.get("APHRODITE_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+        return f"APHRODITE_PLUGINS={allowed!r} does not name {PLUGIN_NAME}, so aphrodite skips it"
+    return None
 
 
 def register() -> None:

@@ -8,27 +8,13 @@ import json
 import os
 import sys
 
-PLUGIN_NAME = "hybrid_exl3_fixes"
 EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED = 0, 1, 2
-
-
-def _plugin_gate() -> str | None:
-    """Why aphrodite would not load this plugin, or None when it would."""
-    from importlib.metadata import entry_points
-
-    names = {ep.name for ep in entry_points(group="aphrodite.general_plugins")}
-    if PLUGIN_NAME not in names:
-        return "the aphrodite.general_plugins entry point is not installed (pip install hybrid-exl3-fixes)"
-    allowed = os.environ.get("APHRODITE_PLUGINS")
-    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
-        return f"APHRODITE_PLUGINS={allowed!r} does not name {PLUGIN_NAME}, so aphrodite skips it"
-    return None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import hybrid_exl3_fixes as overlay
 
-    gate = _plugin_gate()
+    gate = overlay.plugin_gate()
     loaded_by_aphrodite = False
     try:
         from aphrodite.plugins import load_general_plugins

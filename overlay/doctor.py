@@ -254,6 +254,10 @@ def overlay_status(report: Report) -> dict[str, str]:
         report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
         return {}
     drifted = [r for r in results if r.is_problem]
+    gate = overlay.plugin_gate()
+    if gate:  # the table is what it would do; the engine will run without it
+        report.add("WARN", "overlay", f"aphrodite will not load the overlay: {gate}")
+        return {r.patch.id: f"not loaded ({gate})" for r in results}
     report.add("WARN" if drifted else "OK", "overlay", overlay.summary(results))
     return {r.patch.id: r.status.value for r in results}
 

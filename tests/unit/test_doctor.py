@@ -143,9 +143,10 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
 
     for dtype in ("bfloat16", "float16"):
         write_tiny(tmp_path / dtype, TinySpec(dtype=dtype), dense=False)
-    for dtype, env, expected in (("bfloat16", None, "OK"), ("float16", None, "OK"), ("float16", "P4", "WARN")):
-        if env:
-            os.environ["HYBRID_EXL3_FIXES_DISABLE"] = env
+    cases = (("bfloat16", {}, "OK"), ("float16", {}, "OK"), ("float16", {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "WARN"),
+             ("float16", {"APHRODITE_PLUGINS": "some_other_plugin"}, "WARN"))  # the engine would not load P4
+    for dtype, env, expected in cases:
+        os.environ.update(env)
         try:
             import hybrid_exl3_fixes
 
@@ -153,9 +154,12 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
             hybrid_exl3_fixes.REGISTRY.results.clear()
             report = diagnose(tmp_path / dtype / "exl3", language_model_only=True)
         finally:
-            os.environ.pop("HYBRID_EXL3_FIXES_DISABLE", None)
+            for key in env:
+                os.environ.pop(key, None)
             hybrid_exl3_fixes.undo_all()
             hybrid_exl3_fixes.REGISTRY.results.clear()
+        if "APHRODITE_PLUGINS" in env:
+            assert levels(report)["overlay"] == "WARN" and "APHRODITE_PLUGINS" in report.findings[-1].message
         found = levels(report).get("compiled-mode")
         from helpers import HAS_APHRODITE
 
