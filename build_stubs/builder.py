@@ -292,14 +292,15 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
     cc = _compiler(env)
     cuda_home = prefixes[0][1] if prefixes else None
 
-    # Everything is staged inside the output folder and moved into place at the end: a failure
-    # leaves nothing behind (the folder too is removed when this call created it).
-    created = not out.exists()
+    # Everything is built in a temporary sibling folder renamed into place at the end: a failure
+    # leaves nothing behind (parent folders this call created are removed too).
+    created = _missing_parents(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     except OSError as exc:
-        raise BuildError(f"cannot write the stub folder {out}: {exc.strerror}; choose another --out") from exc
+        _remove_created(created)
+        raise BuildError(f"cannot write the stub folder {out}: {exc.strerror or exc}; choose another --out") from exc
     ok = False
     try:
         stage_lib = staging / "lib" / "libcuda.so"
@@ -339,11 +340,47 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
         }
         (staging / "lib" / "manifest.json").write_text(json.dumps(manifest, indent=2))
         (staging / "lib" / "env.sh").write_text(env_sh(out, wsl_driver))
-        for name in ("libcuda.so", "manifest.json", "env.sh"):
-            os.replace(staging / "lib" / name, out / name)
+        _move_into_place(staging / "lib", out)
         ok = True
         return StubResult(out, source, soname, symbols, warnings, rejected)
+    except OSError as exc:  # a full disk, a folder that vanished: nothing is left behind
+        raise BuildError(f"writing the stub folder {out} failed: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if not ok and created:
-            shutil.rmtree(out, ignore_errors=True)
+        if not ok:
+            _remove_created(created)
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """The folders above ``out`` that do not exist yet (outermost last), to remove after a failure."""
+    missing, parent = [], out.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return missing
+
+
+def _remove_created(created: list[Path]) -> None:
+    for folder in created:  # innermost first
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def _move_into_place(built: Path, out: Path) -> None:
+    """Rename the built folder to ``out``; an older stub folder there (only stub files, _check_out made
+    sure) is set aside first and removed after the rename."""
+    old = None
+    if out.is_dir():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "stubs")
+    try:
+        os.replace(built, out)
+    except OSError:
+        if old is not None:
+            os.replace(old / "stubs", out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -60,7 +60,8 @@ def summary(results: list[Result]) -> str:
         f"hybrid-exl3-fixes: applied={counts[Status.APPLIED]} upstream_fixed={counts[Status.UPSTREAM_FIXED]} "
         f"drifted={counts[Status.DRIFTED]}"
     )
-    extra = [f"{s.value.lower()}={counts[s]}" for s in (Status.NOT_APPLICABLE, Status.DISABLED, Status.FAILED) if counts[s]]
+    extra = [f"{s.value.lower()}={counts[s]}" for s in (Status.NOT_APPLICABLE, Status.DISABLED, Status.FAILED,
+                                                       Status.BROKEN_INSTALL) if counts[s]]
     if extra:
         line += " " + " ".join(extra)
     version = aphrodite_version()

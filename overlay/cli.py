@@ -8,7 +8,38 @@ import json
 import os
 import sys
 
-EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED = 0, 1, 2
+EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED, EXIT_BROKEN_INSTALL = 0, 1, 2, 3
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in this tool, not in the user's input
+DEBUG_ENV = "HYBRID_EXL3_FIXES_DEBUG"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -29,6 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         loaded_by_aphrodite = len(overlay.REGISTRY.results) == len(overlay.PATCHES)
     results = overlay.status()  # applies here when aphrodite did not (dry runs still probe)
 
+    broken = [r for r in results if r.status is overlay.Status.BROKEN_INSTALL]
     drifted = any(r.is_problem for r in results)
     not_loaded = load_general_plugins is not None and gate is not None
     if args.json:
@@ -49,22 +81,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(overlay.summary(results))
         if not_loaded:
             print(f"WARNING: aphrodite will not load the overlay: {gate}. The table shows what it would do.")
+        if broken:
+            print(f"ERROR: the aphrodite install is broken, not the patches: {broken[0].reason}")
         print(f"Off switch: {overlay.DISABLE_ENV}=1 (all) or ={','.join(p.id for p in overlay.PATCHES)} (some).")
+    if broken:
+        return EXIT_BROKEN_INSTALL
     if drifted:
         return EXIT_DRIFTED
     return EXIT_NOT_LOADED if not_loaded else EXIT_OK
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
-
+    try:
+        from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    except ImportError as exc:
+        print(f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
+              "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'", file=sys.stderr)
+        return 2
     try:
         spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp,
                                dtype=args.dtype)
         if args.device:
             _check_device(args.device)
         manifest = write_tiny(args.dir, spec, device=args.device, dense=not args.no_dense)
-    except (ValueError, FileExistsError) as exc:
+    except ImportError as exc:  # torch, safetensors or tokenizers, imported when writing
+        print(f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
+              "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:  # bad options, a folder it cannot create, a full disk: nothing is left
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
@@ -81,6 +125,10 @@ def _check_device(name: str) -> None:
         raise ValueError(f"--device {name!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name!r}: torch sees no CUDA device here; leave --device out to use the CPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: make-tiny packs on the CPU or a CUDA device")
 
 
 def default_stub_dir() -> str:
@@ -128,15 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="apply through aphrodite's plugin loader and print each patch's status",
                             description="Exit 0: every patch applied, fixed upstream or not applicable; "
-                                        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin.")
+                                        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin; "
+                                        "3: the aphrodite install is broken (a package it needs is missing).")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
     tiny = sub.add_parser("make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters")
     tiny.add_argument("dir", help="a new (or empty) folder")
-    tiny.add_argument("--bits", type=int, default=4, help="EXL3 bitrate K, 1..8 (default 4)")
+    tiny.add_argument("--bits", type=positive_int, default=4, help="EXL3 bitrate K, 1..8 (default 4)")
     tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--tp", type=int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
+    tiny.add_argument("--seed", type=non_negative_int, default=0)
+    tiny.add_argument("--tp", type=positive_int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
     tiny.add_argument("--device", help="torch device to pack and decode on, e.g. cuda (default: the CPU); "
                       "the EXL3 tensors are the same either way")
     tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
@@ -155,13 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="preflight a hybrid GDN (+EXL3) model folder and plan its memory",
                             description="Exit 0: ok; 1: warnings; 2: blocking problems.")
     doctor.add_argument("model_dir")
-    doctor.add_argument("--gpu-mem", type=float, help="GiB per GPU (enables the KV pool and concurrency plan)")
-    doctor.add_argument("--gpus", type=int, default=1)
-    doctor.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    doctor.add_argument("--max-model-len", type=int)
-    doctor.add_argument("--max-num-seqs", type=int, default=256)
+    doctor.add_argument("--gpu-mem", type=positive_float, help="GiB per GPU (enables the KV pool and concurrency plan)")
+    doctor.add_argument("--gpus", type=positive_int, default=1)
+    doctor.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    doctor.add_argument("--max-model-len", type=positive_int)
+    doctor.add_argument("--max-num-seqs", type=positive_int, default=256)
     doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
-    doctor.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    doctor.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     doctor.add_argument("--language-model-only", action="store_true", help="text only: no processor files, no image budget")
     doctor.add_argument("--enable-lora", action="store_true", help="the engine will run with --enable-lora")
     doctor.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
@@ -170,13 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
-    if not getattr(args, "json", False):
-        return args.func(args)
-    # --json: stdout carries the JSON document alone. aphrodite's logger writes to sys.stdout as it
-    # is when aphrodite is first imported, which happens inside the command: send that to stderr.
-    args.json_out = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):
-        return args.func(args)
+    try:
+        if not getattr(args, "json", False):
+            return args.func(args)
+        # --json: stdout carries the JSON document alone. aphrodite's logger writes to sys.stdout as it
+        # is when aphrodite is first imported, which happens inside the command: send that to stderr.
+        args.json_out = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return args.func(args)
+    except KeyboardInterrupt:
+        print(f"hybrid-exl3-fixes {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # every expected bad input has its own message; this is a bug of ours
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"hybrid-exl3-fixes {args.command}: unexpected {type(exc).__name__}: {exc}. This is a bug in "
+              f"hybrid-exl3-fixes: rerun with {DEBUG_ENV}=1 and report the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

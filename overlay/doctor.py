@@ -15,11 +15,11 @@ The memory plan counts what a hybrid model really holds:
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .exl3 import HAD, splits_into_blocks
+from .modelfiles import Fields, Problem, describe, is_int, read_json_object, read_safetensors_header
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -63,75 +63,244 @@ class Report:
         return 2 if "BLOCK" in levels else 1 if "WARN" in levels else 0
 
 
-def read_safetensors_headers(folder: Path) -> dict[str, dict]:
-    """name -> {"dtype", "shape", "bytes", "file"} from every *.safetensors header."""
+def text_config(config: dict) -> dict:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+@dataclass
+class Shape:
+    """The config.json fields doctor reads, type-checked (a field that is missing or of the wrong type is
+    None here and one BLOCK in the report)."""
+
+    arch: str | None = None
+    layer_types: list[str] = field(default_factory=list)
+    hidden: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    gdn: dict | None = None  # value_heads, key_heads, key_dim, value_dim, kernel
+    max_position: int | None = None
+    quant: dict = field(default_factory=dict)  # quant_method, head_bits (validated)
+    vision: dict | None = None  # patch, merge
+    declared_dtype: str | None = None
+    name_or_path: str | None = None
+
+    @property
+    def full_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def kv_ready(self) -> bool:
+        return bool(self.layer_types) and (not self.full_layers or (self.kv_heads and self.head_dim) is not None)
+
+    @property
+    def state_ready(self) -> bool:
+        return bool(self.layer_types) and (not self.linear_layers or self.gdn is not None)
+
+
+FIX_CONFIG = " (compare with the base model's config.json)"
+
+
+def parse_config(config: dict) -> tuple[Shape, list[str]]:
+    """The validated shape and every problem found, each naming the field."""
+    top = Fields(config, "config.json")
+    shape = Shape()
+    archs = top.strings("architectures", hint=": the engine picks the model class from it" + FIX_CONFIG)
+    shape.arch = archs[0] if archs else None
+    shape.name_or_path = config.get("_name_or_path") if isinstance(config.get("_name_or_path"), str) else None
+    where = "config.json"
+    if "text_config" in config:
+        if not isinstance(config["text_config"], dict):
+            top.problems.append(f"config.json: text_config is {describe(config['text_config'])}, expected an object"
+                                + FIX_CONFIG)
+            return shape, top.problems
+        where = "config.json text_config"
+    text = Fields(text_config(config), where)
+    shape.hidden = text.positive_int("hidden_size", hint=FIX_CONFIG)
+    shape.heads = text.positive_int("num_attention_heads", hint=FIX_CONFIG)
+    layers = text.positive_int("num_hidden_layers", hint=FIX_CONFIG)
+    types = text.strings("layer_types", required=False, hint=FIX_CONFIG)
+    if types is not None:
+        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+        if unknown:
+            text.problems.append(f"{where}: layer_types holds {', '.join(map(repr, unknown))}, expected "
+                                 "'linear_attention' or 'full_attention'")
+        elif layers is not None and len(types) != layers:
+            text.problems.append(f"{where}: layer_types lists {len(types)} layers but num_hidden_layers is {layers}")
+        else:
+            shape.layer_types = types
+    elif layers is not None and "layer_types" not in text.data:
+        shape.layer_types = ["full_attention"] * layers
+    if shape.full_layers:
+        shape.kv_heads = text.positive_int("num_key_value_heads", hint=": the KV cache is sized from it" + FIX_CONFIG)
+        head_dim = text.positive_int("head_dim", required=False, hint=FIX_CONFIG)
+        shape.head_dim = head_dim or (shape.hidden // shape.heads if shape.hidden and shape.heads else None)
+    if shape.linear_layers:
+        hint = ": the GatedDeltaNet state is sized from it" + FIX_CONFIG
+        gdn = {key: text.positive_int(name, hint=hint) for key, name in (
+            ("value_heads", "linear_num_value_heads"), ("key_heads", "linear_num_key_heads"),
+            ("key_dim", "linear_key_head_dim"), ("value_dim", "linear_value_head_dim"))}
+        gdn["kernel"] = text.positive_int("linear_conv_kernel_dim", required=False, hint=FIX_CONFIG) or 4
+        shape.gdn = gdn if all(v is not None for v in gdn.values()) else None
+    shape.max_position = text.positive_int("max_position_embeddings", required=False, hint=FIX_CONFIG)
+    for fields in (top, text):
+        declared = fields.string("dtype", required=False) or fields.string("torch_dtype", required=False)
+        shape.declared_dtype = shape.declared_dtype or declared
+    qcfg = top.object("quantization_config")
+    if qcfg is not None:
+        q = Fields(qcfg, "config.json quantization_config")
+        shape.quant = {"quant_method": q.string("quant_method", hint=": which quantization the weights use"),
+                       "head_bits": q.number("head_bits", required=False)}
+        top.problems += q.problems
+    vision = top.object("vision_config")
+    if vision is not None:
+        v = Fields(vision, "config.json vision_config")
+        shape.vision = {"patch": v.positive_int("patch_size", required=False) or 16,
+                        "merge": v.positive_int("spatial_merge_size", required=False) or 2}
+        top.problems += v.problems
+    return shape, top.problems + text.problems
+
+
+def read_config(report: Report, folder: Path) -> tuple[dict | None, Shape | None]:
+    try:
+        config = read_json_object(folder / "config.json")
+    except Problem as exc:
+        hint = " (is this the model folder, the one with the .safetensors?)" if "does not exist" in str(exc) else ""
+        report.add("BLOCK", "config", f"{exc}{hint}")
+        return None, None
+    shape, problems = parse_config(config)
+    for problem in problems:
+        report.add("BLOCK", "config", problem)
+    if not problems:
+        report.add("OK", "config", "config.json parses and has every field doctor reads")
+    return config, shape
+
+
+def weight_files(report: Report, folder: Path) -> list[Path]:
+    """The *.safetensors files, and the shards a model.safetensors.index.json names (missing ones reported)."""
+    files = sorted(p for p in folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if not (index.exists() or index.is_symlink()):
+        return files
+    try:
+        weight_map = Fields(read_json_object(index), index.name).object("weight_map", required=True)
+    except Problem as exc:
+        report.add("BLOCK", "weights", str(exc))
+        return files
+    if weight_map is None or not all(isinstance(v, str) for v in weight_map.values()):
+        report.add("BLOCK", "weights", f"{index.name}: weight_map is missing or does not map tensor names to file names")
+        return files
+    missing = sorted({v for v in weight_map.values() if not (folder / v).exists()})
+    if missing:
+        report.add("BLOCK", "weights", f"{index.name} names {len(missing)} shard(s) that are not in the folder: "
+                   f"{', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}; download them again")
+    return files
+
+
+def read_weights(report: Report, folder: Path) -> dict[str, dict]:
+    """name -> {"dtype", "shape", "bytes", "file"} from every readable safetensors header; one BLOCK per
+    file that is not (truncated, corrupt, unreadable)."""
     tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            tensors[name] = {"dtype": info["dtype"], "shape": info["shape"], "bytes": end - start, "file": path.name}
+    for path in weight_files(report, folder):
+        try:
+            found = read_safetensors_header(path)
+        except Problem as exc:
+            report.add("BLOCK", "weights", f"{exc}; download the file again")
+            continue
+        tensors.update({k: t.__dict__ for k, t in found.items()})
     return tensors
 
 
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
-def kv_bytes_per_token(text: dict, kv_dtype: str) -> tuple[int, str]:
-    layer_types = text.get("layer_types") or ["full_attention"] * text["num_hidden_layers"]
-    full = sum(t == "full_attention" for t in layer_types)
-    heads, dim = text["num_key_value_heads"], text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+def kv_bytes_per_token(shape: Shape, kv_dtype: str) -> tuple[int, str]:
+    full = shape.full_layers
+    heads, dim = shape.kv_heads or 0, shape.head_dim or 0
     width = 1 if kv_dtype.startswith("fp8") else 2
     return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
 
 
-def state_bytes_per_sequence(text: dict) -> tuple[int, int, str]:
-    layer_types = text.get("layer_types") or []
-    linear = sum(t == "linear_attention" for t in layer_types)
-    if not linear:
+def state_bytes_per_sequence(shape: Shape) -> tuple[int, int, str]:
+    linear = shape.linear_layers
+    if not linear or shape.gdn is None:
         return 0, 0, "no linear-attention layers"
-    vh, kd, vd = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
-    kh, kernel = text["linear_num_key_heads"], text.get("linear_conv_kernel_dim", 4)
+    g = shape.gdn
+    vh, kd, vd, kh, kernel = g["value_heads"], g["key_dim"], g["value_dim"], g["key_heads"], g["kernel"]
     recurrent = linear * vh * kd * vd * 4
     conv = linear * (2 * kh * kd + vh * vd) * (kernel - 1) * 2
     return recurrent, conv, (f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x 4 B recurrent "
                              f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x 2 B)")
 
 
-def image_tokens(folder: Path, config: dict) -> tuple[int, str]:
-    vision = config.get("vision_config") or {}
-    patch, merge = vision.get("patch_size", 16), vision.get("spatial_merge_size", 2)
+def image_tokens(report: Report, folder: Path, shape: Shape) -> tuple[int, str]:
+    vision = shape.vision or {"patch": 16, "merge": 2}
+    patch, merge = vision["patch"], vision["merge"]
     longest = DEFAULT_LONGEST_EDGE
     pre = folder / "preprocessor_config.json"
-    if pre.exists():
-        size = json.loads(pre.read_text()).get("size") or {}
-        longest = size.get("longest_edge", longest)
+    if pre.exists() or pre.is_symlink():
+        try:
+            size = Fields(read_json_object(pre), pre.name).object("size") or {}
+            fields = Fields(size, f"{pre.name} size")
+            longest = fields.positive_int("longest_edge", required=False) or longest
+            for problem in fields.problems:
+                report.add("BLOCK", "processor", problem + "; copy it from the base model")
+        except Problem as exc:
+            report.add("BLOCK", "processor", f"{exc}; copy it from the base model")
     tokens = longest // (patch * merge) ** 2
     return tokens, f"longest_edge {longest:,} px / ({patch} x {merge})^2 = {tokens:,} tokens per image"
 
 
-def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, dict], tp: int) -> None:
-    qcfg = config.get("quantization_config") or {}
-    if qcfg.get("quant_method") != "exl3":
-        report.add("OK", "quantization", f"not EXL3 ({qcfg.get('quant_method') or 'unquantized'})")
-        return
+def read_tensor_storage(report: Report, folder: Path) -> dict[str, dict] | None:
+    """quantization_config.json's tensor_storage, keeping the well-formed entries (each malformed one is
+    reported); None when the file itself cannot be used."""
     qfile = folder / "quantization_config.json"
-    if not qfile.exists():
-        report.add("BLOCK", "exl3", "config.json says EXL3 but quantization_config.json (tensor_storage) is missing")
+    try:
+        storage = Fields(read_json_object(qfile), qfile.name).object("tensor_storage", required=True)
+    except Problem as exc:
+        report.add("BLOCK", "exl3", f"config.json says EXL3, but {exc}: it is the converter's output, copy it again")
+        return None
+    if storage is None:
+        report.add("BLOCK", "exl3", f"{qfile.name} has no tensor_storage object: copy the converter's output again")
+        return None
+    good, bad = {}, []
+    for prefix, entry in storage.items():
+        if not isinstance(entry, dict):
+            bad.append(f"{prefix} is {describe(entry)}")
+            continue
+        stored = entry.get("stored_tensors", {})
+        if not isinstance(stored, dict) or not all(
+                isinstance(i, dict) and (i.get("shape") is None or (isinstance(i.get("shape"), list)
+                                                                    and all(is_int(d) for d in i["shape"])))
+                for i in stored.values()):
+            bad.append(f"{prefix}.stored_tensors is not an object of {{shape: [sizes]}} entries")
+            continue
+        if "quant_format" in entry and not isinstance(entry["quant_format"], str):
+            bad.append(f"{prefix}.quant_format is {describe(entry['quant_format'])}")
+            continue
+        good[prefix] = entry
+    if bad:
+        report.add("BLOCK", "exl3", f"{qfile.name}: {len(bad)} malformed tensor_storage entries, first: {bad[0]}")
+    return good
+
+
+def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, dict], tp: int) -> None:
+    method = shape.quant.get("quant_method")
+    if method != "exl3":
+        report.add("OK", "quantization", f"not EXL3 ({method or 'unquantized'})")
         return
-    storage = json.loads(qfile.read_text()).get("tensor_storage") or {}
+    storage = read_tensor_storage(report, folder)
+    if storage is None:
+        return
     exl3 = {k: v for k, v in storage.items() if v.get("quant_format") == "exl3"}
     missing, shape_diff = [], []
     for prefix, entry in exl3.items():
-        for name, info in (entry.get("stored_tensors") or {}).items():
+        for name, info in entry.get("stored_tensors", {}).items():
             if name not in tensors:
                 missing.append(name)
-            elif "shape" in info and list(info["shape"]) != list(tensors[name]["shape"]):
+            elif info.get("shape") is not None and list(info["shape"]) != list(tensors[name]["shape"]):
                 shape_diff.append(f"{name} {info['shape']} != {tensors[name]['shape']}")
         if f"{prefix}.trellis" not in tensors and f"{prefix}.trellis" not in missing:
             missing.append(f"{prefix}.trellis")
@@ -142,21 +311,25 @@ def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, di
     else:
         report.add("OK", "exl3", f"{len(exl3)} EXL3 modules, every stored tensor present with its shape")
     head_exl3 = any(k.startswith("lm_head.") and k.endswith(".trellis") for k in tensors)
-    if qcfg.get("head_bits") is not None and not head_exl3:
-        report.add("BLOCK", "head_bits", f"head_bits = {qcfg['head_bits']} but lm_head is not stored as EXL3: aphrodite "
+    head_bits = shape.quant.get("head_bits")
+    if head_bits is not None and not head_exl3:
+        report.add("BLOCK", "head_bits", f"head_bits = {head_bits} but lm_head is not stored as EXL3: aphrodite "
                    "treats lm_head as EXL3 whenever head_bits is set and will miss its trellis. Set head_bits to null")
-    elif qcfg.get("head_bits") is None and head_exl3:
+    elif head_bits is None and head_exl3:
         report.add("BLOCK", "head_bits", "lm_head is stored as EXL3 but head_bits is null: aphrodite will load it as a "
                    "dense layer. Set head_bits to the head's bitrate")
     else:
-        report.add("OK", "head_bits", f"head_bits = {qcfg.get('head_bits')} matches how lm_head is stored")
-    text = text_config(config)
-    key_dim = text.get("linear_num_key_heads", 0) * text.get("linear_key_head_dim", 0)
-    value_dim = text.get("linear_num_value_heads", 0) * text.get("linear_value_head_dim", 0)
+        report.add("OK", "head_bits", f"head_bits = {head_bits} matches how lm_head is stored")
+    gdn = shape.gdn or {}
+    key_dim = gdn.get("key_heads", 0) * gdn.get("key_dim", 0)
+    value_dim = gdn.get("value_heads", 0) * gdn.get("value_dim", 0)
     bad = []
     for prefix in exl3:
         trellis = tensors.get(f"{prefix}.trellis")
         if trellis is None:
+            continue
+        if len(trellis["shape"]) != 3:
+            bad.append(f"{prefix}.trellis has shape {trellis['shape']}, not (in/16, out/16, 16 x bits)")
             continue
         fin, fout = trellis["shape"][0] * 16, trellis["shape"][1] * 16
         name = prefix.rsplit(".", 1)[-1]
@@ -178,30 +351,27 @@ def check_exl3(report: Report, folder: Path, config: dict, tensors: dict[str, di
         report.add("OK", "tp-alignment", f"every EXL3 dimension splits into 128-multiples at TP={tp}")
 
 
-def activation_dtype(config: dict, dtype: str = "auto") -> tuple[str, str]:
+def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     """The dtype the engine computes in, and where it comes from: ``--dtype``, else the config's
     (aphrodite's ``auto``; a float32 or absent config dtype gives bfloat16 on a GPU that has it)."""
     if dtype != "auto":
         return ("float16" if dtype in FLOAT16 else dtype), f"--dtype {dtype}"
-    declared = config.get("dtype") or config.get("torch_dtype") or text_config(config).get("dtype") \
-        or text_config(config).get("torch_dtype")
+    declared = shape.declared_dtype
     if declared in ("bfloat16", "float16"):
         return declared, f"config.json dtype {declared}"
     return "bfloat16", f"config.json dtype {declared or 'not set'} (auto: bfloat16)"
 
 
-def check_compiled_mode(report: Report, config: dict, enable_lora: bool, dtype: str = "auto",
+def check_compiled_mode(report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto",
                         p4_status: str | None = None) -> None:
     """The default compiled mode crashes on EXL3 Qwen3.5 GDN models only with float16 activations
     (an Inductor rewrite meets the bare cat EXL3's apply leaves when no cast follows; the overlay's P4
     removes it): OK for bfloat16, and for float16 where P4 runs or upstream fixed it; WARN otherwise.
     ``p4_status``: P4's status in this environment (None: the overlay could not be evaluated)."""
-    qcfg = config.get("quantization_config") or {}
-    arch = (config.get("architectures") or ["?"])[0]
-    gdn = "linear_attention" in (text_config(config).get("layer_types") or [])
-    if qcfg.get("quant_method") != "exl3" or not gdn or not arch.startswith("Qwen3_5"):
+    shape = config if isinstance(config, Shape) else parse_config(config)[0]
+    if shape.quant.get("quant_method") != "exl3" or not shape.linear_layers or not (shape.arch or "").startswith("Qwen3_5"):
         return
-    act, source = activation_dtype(config, dtype)
+    act, source = activation_dtype(shape, dtype)
     if act != "float16":
         report.add("OK", "compiled-mode", f"{act} activations ({source}): the default compiled mode works "
                    f"(measured on aphrodite 0.21.0 with and without LoRA, {COMPILED_CRASH_DOC})")
@@ -221,22 +391,22 @@ def check_compiled_mode(report: Report, config: dict, enable_lora: bool, dtype: 
                    f"{COMPILED_CRASH_DOC}")
 
 
-def check_files(report: Report, folder: Path, config: dict, language_model_only: bool) -> None:
-    arch = (config.get("architectures") or ["?"])[0]
+def check_files(report: Report, folder: Path, shape: Shape, language_model_only: bool) -> None:
+    arch = shape.arch or "?"
     if arch in KNOWN_ARCHS:
         report.add("OK", "architecture", f"{arch}: {KNOWN_ARCHS[arch]}")
-    else:
+    elif shape.arch is not None:
         report.add("WARN", "architecture", f"{arch} is not a hybrid GDN architecture this tool knows")
-    if not any(all((folder / f).exists() for f in group) for group in TOKENIZER_SETS):
+    if not any(all((folder / f).is_file() for f in group) for group in TOKENIZER_SETS):
         report.add("BLOCK", "tokenizer", "no tokenizer: copy tokenizer.json (or vocab.json + merges.txt) and "
                    "tokenizer_config.json from the base model")
     if arch.endswith("ForConditionalGeneration"):
-        missing = [f for f in PROCESSOR_FILES if not (folder / f).exists()]
-        if not (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
+        missing = [f for f in PROCESSOR_FILES if not (folder / f).is_file()]
+        if not (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             missing.append("vocab.json")
         if missing and not language_model_only:
             report.add("BLOCK", "processor", f"missing {', '.join(missing)}: the engine fails with \"Can't load image "
-                       f"processor\". Copy them from the base model ({config.get('_name_or_path') or 'the original repo'}), "
+                       f"processor\". Copy them from the base model ({shape.name_or_path or 'the original repo'}), "
                        "or serve text only with --language-model-only")
         elif missing:
             report.add("OK", "processor", f"missing {', '.join(missing)}, not needed with --language-model-only")
@@ -266,45 +436,51 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
              max_model_len: int | None = None, max_num_seqs: int = 256, kv_dtype: str = "auto",
              utilization: float = 0.9, language_model_only: bool = False, check_overlay: bool = True,
              enable_lora: bool = False, dtype: str = "auto") -> Report:
+    """Every check on the folder, each problem one finding (a broken input never stops the others)."""
     folder = Path(model_dir)
     report = Report(str(folder))
-    cfg_path = folder / "config.json"
     if not folder.is_dir():
-        report.add("BLOCK", "config", f"{folder} is not a folder")
-        return report
-    if not cfg_path.exists():
-        report.add("BLOCK", "config", f"no config.json in {folder}: is this the model folder (the one with the .safetensors)?")
+        what = "is a file, not a folder: give the folder that holds config.json" if folder.exists() else "does not exist"
+        report.add("BLOCK", "config", f"{folder} {what}")
         return report
     try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        report.add("BLOCK", "config", f"config.json does not parse: {exc}")
+        next(folder.iterdir(), None)
+    except OSError as exc:
+        report.add("BLOCK", "config", f"{folder} cannot be listed: {exc.strerror or exc}")
         return report
-    text = text_config(config)
-    report.add("OK", "config", "config.json parses")
-    check_files(report, folder, config, language_model_only)
-    try:
-        tensors = read_safetensors_headers(folder)
-    except (OSError, ValueError, struct.error) as exc:
-        report.add("BLOCK", "weights", f"a safetensors header does not read: {exc}")
-        tensors = {}
-    if not tensors:
+    config, shape = read_config(report, folder)
+    shape = shape or Shape()
+    check_files(report, folder, shape, language_model_only)
+    tensors = read_weights(report, folder)
+    if not tensors and not any(f.check == "weights" for f in report.findings):
         report.add("WARN", "weights", "no *.safetensors in the folder: the weight plan below is empty")
-    check_exl3(report, folder, config, tensors, tp)
-    layer_types = text.get("layer_types") or []
-    counts = {t: layer_types.count(t) for t in sorted(set(layer_types))}
+    if config is not None:
+        check_exl3(report, folder, shape, tensors, tp)
+    counts = {t: shape.layer_types.count(t) for t in sorted(set(shape.layer_types))}
     report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
     if check_overlay:
         statuses = overlay_status(report)
-        check_compiled_mode(report, config, enable_lora, dtype, statuses.get("P4"))
+        if config is not None:
+            check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
+    report.plan = memory_plan(report, folder, shape, tensors, gpu_mem, gpus, tp, max_model_len, max_num_seqs,
+                              kv_dtype, utilization, language_model_only)
+    return report
 
-    kv_tok, kv_formula = kv_bytes_per_token(text, kv_dtype)
-    recurrent, conv, state_formula = state_bytes_per_sequence(text)
+
+def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_mem, gpus, tp, max_model_len,
+                max_num_seqs, kv_dtype, utilization, language_model_only) -> dict:
+    """The plan's terms, each with its formula; empty when config.json lacks what a term needs."""
+    if not (shape.kv_ready and shape.state_ready):
+        if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
+            report.add("WARN", "memory", "no memory plan: config.json lacks the fields above")
+        return {}
+    kv_tok, kv_formula = kv_bytes_per_token(shape, kv_dtype)
+    recurrent, conv, state_formula = state_bytes_per_sequence(shape)
     per_seq_state = recurrent + conv
     weights = sum(t["bytes"] for t in tensors.values())
     exl3_weights = sum(t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1"))
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
-    img_tokens, img_formula = image_tokens(folder, config)
+    img_tokens, img_formula = image_tokens(report, folder, shape)
     plan = {
         "kv_bytes_per_token": kv_tok, "kv_formula": kv_formula,
         "recurrent_state_bytes_per_sequence": recurrent, "conv_state_bytes_per_sequence": conv,
@@ -317,9 +493,9 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
         image_reserve = 0 if language_model_only else img_tokens * kv_tok
         budget = gpu_mem * GIB * utilization * tp
         pool = budget - used_weights - image_reserve
-        context = max_model_len or text.get("max_position_embeddings", 4096)
+        context = max_model_len or shape.max_position or 4096
         per_seq = context * kv_tok + per_seq_state
-        max_seqs = max(0, int(pool // per_seq)) if pool > 0 else 0
+        max_seqs = max(0, int(pool // per_seq)) if pool > 0 and per_seq > 0 else 0
         plan.update({
             "gpu_budget_bytes": int(budget), "image_reservation_bytes": image_reserve, "kv_pool_bytes": int(pool),
             "context": context, "bytes_per_sequence_at_context": per_seq,
@@ -337,8 +513,7 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
                        f"({img_formula}); lower size.longest_edge in preprocessor_config.json or serve text only")
         else:
             report.add("OK", "memory", f"KV pool {pool / GIB:.2f} GiB: {min(max_seqs, max_num_seqs)} sequences of {context:,} tokens")
-    report.plan = plan
-    return report
+    return plan
 
 
 def render(report: Report) -> str:

@@ -16,6 +16,9 @@ Statuses:
                   against: nothing is replaced, a WARNING names what differed, the engine runs on.
   DISABLED        switched off by HYBRID_EXL3_FIXES_DISABLE.
   FAILED          applying raised, or the probe still saw the bug afterwards: rolled back.
+  BROKEN_INSTALL  aphrodite is installed but a module the patch targets cannot be imported because a
+                  package aphrodite needs is missing (or of a wrong version): the user's environment,
+                  not upstream, is what changed; the message names the package.
 """
 
 from __future__ import annotations
@@ -46,10 +49,28 @@ class Status(str, enum.Enum):
     DRIFTED = "DRIFTED"
     DISABLED = "DISABLED"
     FAILED = "FAILED"
+    BROKEN_INSTALL = "BROKEN_INSTALL"
 
 
 class Drift(Exception):
     """A target is not what the patch was written against; the message says what differs."""
+
+
+class BrokenInstall(Exception):
+    """An aphrodite module cannot be imported because a package outside aphrodite is missing or broken."""
+
+
+def classify_import_error(module: str, exc: ImportError) -> Exception:
+    """BrokenInstall when the module that failed is not aphrodite's own (a missing dependency),
+    Drift when aphrodite's own module is missing or lacks a name (upstream moved something)."""
+    missing = getattr(exc, "name", None) or ""
+    if missing and missing != "aphrodite" and not missing.startswith("aphrodite."):
+        package = missing.split(".")[0]
+        what = "is not installed" if isinstance(exc, ModuleNotFoundError) else f"does not provide what it needs ({exc})"
+        return BrokenInstall(f"aphrodite's {module} cannot be imported: the package {package!r} it needs {what}. The "
+                             f"aphrodite install is incomplete: pip install {package} (or reinstall aphrodite-engine "
+                             "with its dependencies)")
+    return Drift(f"cannot import {module}: {exc}")
 
 
 class NotApplicable(Exception):
@@ -125,8 +146,8 @@ class Result:
 
     @property
     def is_problem(self) -> bool:
-        """DRIFTED or FAILED: the engine runs without this fix and the user should hear of it."""
-        return self.status in (Status.DRIFTED, Status.FAILED)
+        """DRIFTED, FAILED or BROKEN_INSTALL: the engine runs without this fix and the user should hear of it."""
+        return self.status in (Status.DRIFTED, Status.FAILED, Status.BROKEN_INSTALL)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -175,7 +196,7 @@ class Registry:
         try:
             obj: Any = importlib.import_module(target.module)
         except ImportError as exc:
-            raise Drift(f"cannot import {target.module}: {exc}") from exc
+            raise classify_import_error(target.module, exc) from exc
         except Exception as exc:  # a module that raises on import is drift too, never a crash
             raise Drift(f"importing {target.module} raised {type(exc).__name__}: {exc}") from exc
         parts = target.qualname.split(".")
@@ -245,6 +266,8 @@ class Registry:
             live = {t.key: self._resolve(t) for t in patch.targets}
         except Drift as exc:
             return Result(patch, Status.DRIFTED, str(exc))
+        except BrokenInstall as exc:
+            return Result(patch, Status.BROKEN_INSTALL, str(exc))
         if all(self._tagged(item.raw) == patch.id for item in live.values() if item.target.binds is None):
             return Result(patch, Status.APPLIED, "already patched in this process")
         try:
@@ -253,6 +276,10 @@ class Registry:
             return Result(patch, Status.DRIFTED, f"probe: {exc}")
         except NotApplicable as exc:
             return Result(patch, Status.NOT_APPLICABLE, str(exc))
+        except ImportError as exc:  # the probe imports aphrodite modules too
+            found = classify_import_error(getattr(exc, "name", None) or "a module", exc)
+            status = Status.BROKEN_INSTALL if isinstance(found, BrokenInstall) else Status.DRIFTED
+            return Result(patch, status, f"probe: {found}")
         except Exception as exc:
             return Result(patch, Status.DRIFTED, f"probe raised {type(exc).__name__}: {exc}")
         if not has_bug:

@@ -104,6 +104,10 @@ class TinySpec:
 
 
 def _check(spec: TinySpec) -> None:
+    for name in ("bits", "seed", "tp", "lora_rank", "max_position", "hidden", "intermediate", "vocab"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "seed" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}")
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
@@ -294,10 +298,16 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device:
     spec = spec or TinySpec()
     _check(spec)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise FileExistsError(f"{out} exists and is not a folder; choose a new folder")
+        if any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise FileExistsError(f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to") from None
     try:
         manifest = _write(tmp, spec, torch, save_file, device, dense)
         if out.exists():

@@ -91,7 +91,7 @@ def test_no_config_and_bad_config(tmp_path):
     assert diagnose(tmp_path, check_overlay=False).exit_code == 2
     (tmp_path / "config.json").write_text("{not json")
     report = diagnose(tmp_path, check_overlay=False)
-    assert report.exit_code == 2 and "does not parse" in report.findings[0].message
+    assert report.exit_code == 2 and "config.json is not valid JSON: Expecting property name" in report.findings[0].message
 
 
 def test_cli_json(tiny, capsys):
