@@ -38,6 +38,7 @@ DEFAULT_LONGEST_EDGE = 16_777_216
 # --dtype values aphrodite accepts, by the activation dtype they give (auto: the config's)
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 FLOAT16 = ("float16", "half")
+CONFIG_DTYPES = ("bfloat16", "float16", "float32", "half", "float", "auto")
 COMPILED_CRASH_DOC = "docs/upstream/exl3-compiled-illegal-address.md"
 
 
@@ -149,8 +150,13 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
         shape.gdn = gdn if all(v is not None for v in gdn.values()) else None
     shape.max_position = text.positive_int("max_position_embeddings", required=False, hint=FIX_CONFIG)
     for fields in (top, text):
-        declared = fields.string("dtype", required=False) or fields.string("torch_dtype", required=False)
-        shape.declared_dtype = shape.declared_dtype or declared
+        for key in ("dtype", "torch_dtype"):
+            declared = fields.string(key, required=False)
+            if declared is not None and declared not in CONFIG_DTYPES:
+                fields.problems.append(f"{fields.where}: {key} is {describe(declared)}, not a dtype the engine knows "
+                                       f"({', '.join(CONFIG_DTYPES)})")
+            elif declared is not None:
+                shape.declared_dtype = shape.declared_dtype or declared
     qcfg = top.object("quantization_config")
     if qcfg is not None:
         q = Fields(qcfg, "config.json quantization_config")
@@ -235,10 +241,11 @@ def state_bytes_per_sequence(shape: Shape) -> tuple[int, int, str]:
                              f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x 2 B)")
 
 
-def image_tokens(report: Report, folder: Path, shape: Shape) -> tuple[int, str]:
+def image_tokens(report: Report, folder: Path, shape: Shape, language_model_only: bool = False) -> tuple[int, str]:
     vision = shape.vision or {"patch": 16, "merge": 2}
     patch, merge = vision["patch"], vision["merge"]
     longest = DEFAULT_LONGEST_EDGE
+    level = "WARN" if language_model_only else "BLOCK"  # text only: the engine does not need the processor
     pre = folder / "preprocessor_config.json"
     if pre.exists() or pre.is_symlink():
         try:
@@ -246,9 +253,9 @@ def image_tokens(report: Report, folder: Path, shape: Shape) -> tuple[int, str]:
             fields = Fields(size, f"{pre.name} size")
             longest = fields.positive_int("longest_edge", required=False) or longest
             for problem in fields.problems:
-                report.add("BLOCK", "processor", problem + "; copy it from the base model")
+                report.add(level, "processor", problem + "; copy it from the base model")
         except Problem as exc:
-            report.add("BLOCK", "processor", f"{exc}; copy it from the base model")
+            report.add(level, "processor", f"{exc}; copy it from the base model")
     tokens = longest // (patch * merge) ** 2
     return tokens, f"longest_edge {longest:,} px / ({patch} x {merge})^2 = {tokens:,} tokens per image"
 
@@ -258,12 +265,13 @@ def read_tensor_storage(report: Report, folder: Path) -> dict[str, dict] | None:
     reported); None when the file itself cannot be used."""
     qfile = folder / "quantization_config.json"
     try:
-        storage = Fields(read_json_object(qfile), qfile.name).object("tensor_storage", required=True)
+        fields = Fields(read_json_object(qfile), qfile.name)
     except Problem as exc:
         report.add("BLOCK", "exl3", f"config.json says EXL3, but {exc}: it is the converter's output, copy it again")
         return None
+    storage = fields.object("tensor_storage", required=True)
     if storage is None:
-        report.add("BLOCK", "exl3", f"{qfile.name} has no tensor_storage object: copy the converter's output again")
+        report.add("BLOCK", "exl3", f"{fields.problems[0]}: copy the converter's output again")
         return None
     good, bad = {}, []
     for prefix, entry in storage.items():
@@ -289,20 +297,27 @@ def read_tensor_storage(report: Report, folder: Path) -> dict[str, dict] | None:
 def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, dict], tp: int) -> None:
     method = shape.quant.get("quant_method")
     if method != "exl3":
-        report.add("OK", "quantization", f"not EXL3 ({method or 'unquantized'})")
+        trellises = sorted(k for k in tensors if k.endswith(".trellis"))
+        if trellises:
+            report.add("BLOCK", "quantization", f"the safetensors hold {len(trellises)} EXL3 tensors "
+                       f"({trellises[0]}, ...) but config.json's "
+                       f"{'quantization_config is missing' if not shape.quant else f'quantization_config.quant_method is {method!r}'}"
+                       ": copy config.json from the EXL3 conversion")
+        else:
+            report.add("OK", "quantization", f"not EXL3 ({method or 'unquantized'})")
         return
     storage = read_tensor_storage(report, folder)
     if storage is None:
         return
     exl3 = {k: v for k, v in storage.items() if v.get("quant_format") == "exl3"}
     missing, shape_diff = [], []
-    for prefix, entry in exl3.items():
+    for prefix, entry in storage.items():  # exllamav3 lists every leaf module, quantized or not
         for name, info in entry.get("stored_tensors", {}).items():
             if name not in tensors:
                 missing.append(name)
             elif info.get("shape") is not None and list(info["shape"]) != list(tensors[name]["shape"]):
                 shape_diff.append(f"{name} {info['shape']} != {tensors[name]['shape']}")
-        if f"{prefix}.trellis" not in tensors and f"{prefix}.trellis" not in missing:
+        if prefix in exl3 and f"{prefix}.trellis" not in tensors and f"{prefix}.trellis" not in missing:
             missing.append(f"{prefix}.trellis")
     if missing or shape_diff:
         report.add("BLOCK", "exl3", f"tensor_storage disagrees with the safetensors: {len(missing)} missing "
@@ -480,7 +495,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
     weights = sum(t["bytes"] for t in tensors.values())
     exl3_weights = sum(t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1"))
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
-    img_tokens, img_formula = image_tokens(report, folder, shape)
+    img_tokens, img_formula = image_tokens(report, folder, shape, language_model_only)
     plan = {
         "kv_bytes_per_token": kv_tok, "kv_formula": kv_formula,
         "recurrent_state_bytes_per_sequence": recurrent, "conv_state_bytes_per_sequence": conv,
