@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,29 +385,25 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     storage: dict[str, dict] = {}
     shapes = _linear_shapes(spec)
     codebooks: dict[str, str] = {}
-    index = 0
-    for n, kind in enumerate(spec.layer_types):
-        wanted = "linear_attn." if kind == "linear_attention" else "self_attn."
-        for suffix in EXL3_SUFFIXES:
-            if not (suffix.startswith(wanted) or suffix.startswith("mlp.")):
-                continue
-            prefix = f"model.language_model.layers.{n}.{suffix}"
-            cb = spec.codebook_for(index)
-            index += 1
-            codebooks[prefix] = cb
-            fin, fout = shapes[suffix]
-            tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen, device=device)
-            if dense:
-                dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
-            for name, tensor in tensors.items():
-                exl3_state[f"{prefix}.{name}"] = tensor
-            entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",
-                     "bits_per_weight": spec.bits}
-            if cb == "mul1":
-                entry["mul1_multiplier"] = codec.MUL1_MULT
-            elif cb == "mcg":
-                entry["mcg_multiplier"] = codec.MCG_MULT
-            storage[prefix] = entry
+    projections = [(n, suffix) for n, kind in enumerate(spec.layer_types) for suffix in EXL3_SUFFIXES
+                   if suffix.startswith(("linear_attn." if kind == "linear_attention" else "self_attn.", "mlp."))]
+    for index, (n, suffix) in enumerate(progress(projections, "EXL3 projections")):
+        prefix = f"model.language_model.layers.{n}.{suffix}"
+        cb = spec.codebook_for(index)
+        codebooks[prefix] = cb
+        fin, fout = shapes[suffix]
+        tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen, device=device)
+        if dense:
+            dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
+        for name, tensor in tensors.items():
+            exl3_state[f"{prefix}.{name}"] = tensor
+        entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",
+                 "bits_per_weight": spec.bits}
+        if cb == "mul1":
+            entry["mul1_multiplier"] = codec.MUL1_MULT
+        elif cb == "mcg":
+            entry["mcg_multiplier"] = codec.MCG_MULT
+        storage[prefix] = entry
 
     # exllamav3 lists every leaf module in tensor_storage, unquantized ones with stored_tensors only
     modules = {k.rsplit(".", 1)[0] for k in exl3_state}
@@ -435,6 +432,16 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
                 "codebooks": codebooks, "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"), "adapters": adapters}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def progress(items: list, what: str):
+    """``items`` with a progress bar on stderr once the work has taken 2 s (tqdm's ``delay``; the
+    27B-width preset takes minutes on a CPU); the plain list when tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=f"make-tiny: {what}", unit="", delay=2, file=sys.stderr, leave=False)
 
 
 def stored_tensor_info(state: dict, prefix: str) -> dict:

@@ -226,3 +226,40 @@ def test_no_dense_writes_the_same_exl3_checkpoint(tmp_path, tiny):
     assert sorted(p.name for p in (tmp_path / "n").iterdir()) == sorted(p.name for p in dest.iterdir() if p.name != "dense")
     a, b = load_file(str(dest / "exl3" / "model.safetensors")), load_file(str(tmp_path / "n" / "exl3" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file", "full disk"])
+def test_make_tiny_failures_are_one_line_and_leave_nothing(tmp_path, capsys, monkeypatch, where):
+    """A folder it cannot create, a target that is a file, a disk that fills up half-way: exit 2, one
+    line naming the problem, and the parent folder exactly as it was."""
+    import errno
+
+    import safetensors.torch
+
+    from hybrid_exl3_fixes.cli import main
+
+    (tmp_path / "file").write_text("x")
+    target = {"under a file": tmp_path / "file" / "m", "a file": tmp_path / "file", "full disk": tmp_path / "m"}[where]
+    if where == "full disk":
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["make-tiny", str(target), "--no-dense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert {"under a file": "cannot create", "a file": "is not a folder", "full disk": "No space left"}[where] in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_progress_bar_appears_only_for_long_work(capsys):
+    """make-tiny's bar (tqdm, on stderr) shows once the work has taken 2 s: the tiny preset stays
+    quiet, the 27B-width one (minutes on a CPU) shows it."""
+    import time
+
+    from hybrid_exl3_fixes.exl3.tiny import progress
+
+    list(progress(list(range(3)), "quick"))
+    assert capsys.readouterr().err == ""
+    for _ in progress(list(range(3)), "slow"):
+        time.sleep(1.1)
+    assert "make-tiny: slow" in capsys.readouterr().err
