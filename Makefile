@@ -1,5 +1,5 @@
 # hybrid-exl3-fixes. `make install` sets up .venv; `make test` runs the CPU suite against
-# aphrodite-engine 0.20.0, 0.21.0, 0.24.1 and without aphrodite.
+# aphrodite-engine 0.20.0 to 0.24.1 and without aphrodite (plus lint and the packaging check).
 VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)

@@ -39,10 +39,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    import aphrodite.model_executor.layers.quantization.exl3 as exl3
     import torch
     from triton.testing import do_bench
-
-    import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
     from hybrid_exl3_fixes.exl3 import codec, dispatch
@@ -52,8 +51,11 @@ def main() -> None:
     t = time.perf_counter()
     verdict, cc, sms = p13.device_verdict(dev)
     overhead["runtime_probe_ms"] = (time.perf_counter() - t) * 1e3
-    overhead["probe_verdict"] = {"codebook_blind": verdict.codebook_blind, "forced_ok": verdict.forced_ok,
-                                 "detail": verdict.detail}
+    overhead["probe_verdict"] = {
+        "codebook_blind": verdict.codebook_blind,
+        "forced_ok": verdict.forced_ok,
+        "detail": verdict.detail,
+    }
     props = torch.cuda.get_device_properties(0)
     overhead["device"] = f"{props.name}, {sms} SMs, class {cc}"
 
@@ -82,16 +84,35 @@ def main() -> None:
                     slices = (k // dispatch.TILE_K[shape_idx]) * (n // dispatch.TILE_N[shape_idx])
                     for frac in (1.0, 0.5, 0.25):
                         num = max(1, min(slices, int(sms * frac)))
-                        sweep[f"{shape_idx}/{num}"] = do_bench(
-                            lambda s=shape_idx, m=num: routed(x, trellis, suh, svh, *cb, s, m),
-                            warmup=10, rep=50, quantiles=[0.5]) * 1e3
+                        sweep[f"{shape_idx}/{num}"] = (
+                            do_bench(
+                                lambda s=shape_idx, m=num: routed(x, trellis, suh, svh, *cb, s, m),
+                                warmup=10,
+                                rep=50,
+                                quantiles=[0.5],
+                            )
+                            * 1e3
+                        )
                 best = min(sweep, key=sweep.get)
                 result["forced_best"] = sweep[best]
                 for path, us in result.items():
-                    rows_out.append({"k": k, "n": n, "K": K, "rows": rows, "path": path, "us": round(us, 2),
-                                     "launch": {"p3_forced": f"{launch[0]}/{launch[1]}", "forced_best": best}.get(path, "")})
-                print(f"{k}x{n} K={K} rows={rows}: " + ", ".join(f"{p}={v:.1f}us" for p, v in result.items())
-                      + f" (p3 launch {launch[0]}/{launch[1]}, best {best})", flush=True)
+                    rows_out.append(
+                        {
+                            "k": k,
+                            "n": n,
+                            "K": K,
+                            "rows": rows,
+                            "path": path,
+                            "us": round(us, 2),
+                            "launch": {"p3_forced": f"{launch[0]}/{launch[1]}", "forced_best": best}.get(path, ""),
+                        }
+                    )
+                print(
+                    f"{k}x{n} K={K} rows={rows}: "
+                    + ", ".join(f"{p}={v:.1f}us" for p, v in result.items())
+                    + f" (p3 launch {launch[0]}/{launch[1]}, best {best})",
+                    flush=True,
+                )
 
     # the load-time plan: CPU work per loaded layer once the probe's verdict is cached
     layers = []

@@ -37,14 +37,22 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for (k, n, K, m), c in sorted(cells.items()):
-        lines.append(f"| {k} x {n} | {K} | {m} | {c['native']:.1f} | {c['p3_forced']:.1f} ({launches[(k, n, K, m)]}) | "
-                     f"{c['forced_best']:.1f} | {c['reconstruct']:.1f} | {c['p3_forced'] / c['native']:.2f} |")
+        lines.append(
+            f"| {k} x {n} | {K} | {m} | {c['native']:.1f} | {c['p3_forced']:.1f} ({launches[(k, n, K, m)]}) | "
+            f"{c['forced_best']:.1f} | {c['reconstruct']:.1f} | {c['p3_forced'] / c['native']:.2f} |"
+        )
     ratios = sorted(c["p3_forced"] / c["native"] for c in cells.values())
-    lines += ["", f"p3_forced / native: median {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f} to {ratios[-1]:.2f}.",
-              "", "One-time costs (same run):", "",
-              f"- runtime probe, first call in a process that had not used the GPU yet: {overhead['runtime_probe_ms']:.0f} ms",
-              f"- load-time plan per EXL3 layer: {overhead['plan_us_per_layer_single_codebook']:.1f} µs (single-codebook "
-              f"model), {overhead['plan_us_per_layer_mixed']:.1f} µs (mixed, half the layers routed, with logging)"]
+    lines += [
+        "",
+        f"p3_forced / native: median {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f} to {ratios[-1]:.2f}.",
+        "",
+        "One-time costs (same run):",
+        "",
+        "- runtime probe, first call in a process that had not used the GPU yet: "
+        f"{overhead['runtime_probe_ms']:.0f} ms",
+        f"- load-time plan per EXL3 layer: {overhead['plan_us_per_layer_single_codebook']:.1f} µs (single-codebook "
+        f"model), {overhead['plan_us_per_layer_mixed']:.1f} µs (mixed, half the layers routed, with logging)",
+    ]
     write_table(folder / "p3_latency.md", lines)
     plt = pyplot()
     if plt is None:

@@ -33,7 +33,9 @@ CHILD = r"""
 import json, sys, time
 context = sys.argv[1]
 if context == "worker":
-    import aphrodite.model_executor.layers.quantization.exl3, aphrodite.lora.layers.base_linear, aphrodite.lora.layers.fused_moe
+    import aphrodite.lora.layers.base_linear
+    import aphrodite.lora.layers.fused_moe
+    import aphrodite.model_executor.layers.quantization.exl3
 elif context == "process0-quantized":
     # get_quantization_config imports every quantization config module; .exl3 is the part that
     # matters here (the others need packages such as compressed-tensors this CPU setup lacks)
@@ -72,7 +74,9 @@ def main() -> None:
     for context in CONTEXTS:
         sample(context)  # warm the file cache
         for run in range(args.runs):
-            rows.append({"context": context, "run": run, **{k: v for k, v in sample(context).items() if k != "statuses"}})
+            rows.append(
+                {"context": context, "run": run, **{k: v for k, v in sample(context).items() if k != "statuses"}}
+            )
     with (out / "plugin_overhead.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -80,18 +84,25 @@ def main() -> None:
     from hybrid_exl3_fixes.exl3.dispatch import installed_kernel_libraries
 
     kernels = ", ".join(p.name for p in installed_kernel_libraries())
-    lines = [f"# Plugin start overhead (aphrodite-engine {version}, CPU, {args.runs} fresh processes each)", "",
-             f"Command: `PYTHONPATH={os.environ.get('PYTHONPATH', '')} python bench/plugin_overhead.py --runs {args.runs}`",
-             "", f"Kernel library present (P3 reads its symbols): {kernels or 'no (P3 NOT_APPLICABLE)'}", "",
-             "| context | median total (ms) | p90 total (ms) | median import (ms) | median apply_all (ms) | goal |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Plugin start overhead (aphrodite-engine {version}, CPU, {args.runs} fresh processes each)",
+        "",
+        f"Command: `PYTHONPATH={os.environ.get('PYTHONPATH', '')} python bench/plugin_overhead.py --runs {args.runs}`",
+        "",
+        f"Kernel library present (P3 reads its symbols): {kernels or 'no (P3 NOT_APPLICABLE)'}",
+        "",
+        "| context | median total (ms) | p90 total (ms) | median import (ms) | median apply_all (ms) | goal |",
+        "|---|---|---|---|---|---|",
+    ]
     for context in CONTEXTS:
         sel = [r for r in rows if r["context"] == context]
         totals = sorted(r["total_ms"] for r in sel)
         p90 = totals[int(0.9 * (len(totals) - 1))]
         med = statistics.median(totals)
-        lines.append(f"| {context} | {med:.1f} | {p90:.1f} | {statistics.median(r['import_ms'] for r in sel):.1f} | "
-                     f"{statistics.median(r['apply_ms'] for r in sel):.1f} | {'met' if med < 50 else 'NOT met'} (< 50 ms) |")
+        lines.append(
+            f"| {context} | {med:.1f} | {p90:.1f} | {statistics.median(r['import_ms'] for r in sel):.1f} | "
+            f"{statistics.median(r['apply_ms'] for r in sel):.1f} | {'met' if med < 50 else 'NOT met'} (< 50 ms) |"
+        )
     write_table(out / "plugin_overhead.md", lines)
     plt = pyplot()
     if plt is None:

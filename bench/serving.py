@@ -58,21 +58,35 @@ def engine_cases(models: Path, only: set[str], chunks: list[int]) -> list[dict]:
     if only & {"concurrency", "lora", "graphs", "codebooks"}:
         cases.append({**base, "name": "exl3", "model": mcg, "work": [("concurrency", CONCURRENCY)]})
     if "lora" in only:
-        cases.append({**base, "name": "exl3+lora", "model": mcg, "enable_lora": True, "adapters": adapters,
-                      "work": [("lora", [1, 32])]})
+        cases.append(
+            {
+                **base,
+                "name": "exl3+lora",
+                "model": mcg,
+                "enable_lora": True,
+                "adapters": adapters,
+                "work": [("lora", [1, 32])],
+            }
+        )
     if "graphs" in only:
-        cases.append({**base, "name": "exl3-eager", "model": mcg, "enforce_eager": True,
-                      "work": [("concurrency", SHORT_SWEEP)]})
+        cases.append(
+            {**base, "name": "exl3-eager", "model": mcg, "enforce_eager": True, "work": [("concurrency", SHORT_SWEEP)]}
+        )
     if "codebooks" in only:
-        cases += [{**base, "name": f"exl3-{cb}", "model": str(models / cb / "exl3"), "work": [("concurrency", SHORT_SWEEP)]}
-                  for cb in ("mixed", "3inst", "mul1")]
+        cases += [
+            {**base, "name": f"exl3-{cb}", "model": str(models / cb / "exl3"), "work": [("concurrency", SHORT_SWEEP)]}
+            for cb in ("mixed", "3inst", "mul1")
+        ]
     if "chunk" in only:
-        cases += [{**base, "name": f"chunk-{c}", "model": mcg, "max_num_batched_tokens": c, "work": [("chunk", [6])]}
-                  for c in chunks]
+        cases += [
+            {**base, "name": f"chunk-{c}", "model": mcg, "max_num_batched_tokens": c, "work": [("chunk", [6])]}
+            for c in chunks
+        ]
     return cases
 
 
 # -- the engine process ----------------------------------------------------------------------
+
 
 def timed(engine, prompts: list[list[int]], loras: list | None = None) -> list[dict]:
     """Submit every prompt at once and step the engine as LLM.generate does; per request: time of
@@ -83,8 +97,9 @@ def timed(engine, prompts: list[list[int]], loras: list | None = None) -> list[d
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]  # unique within the engine
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=OUTPUT, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         engine.add_request(ids[i], {"prompt_token_ids": p}, params, lora_request=loras[i] if loras else None)
     first, done, tokens = {}, {}, {r: 0 for r in ids}
     while engine.has_unfinished_requests():
@@ -103,7 +118,9 @@ def summarise(times: list[dict]) -> dict:
         "wall_s": round(wall, 4),
         "throughput_tok_s": round(sum(t["tokens"] for t in times) / wall, 1),
         "ttft_ms_mean": round(1000 * statistics.mean(t["first"] for t in times), 1),
-        "decode_tok_s_per_request": round(statistics.mean((t["tokens"] - 1) / (t["done"] - t["first"]) for t in times), 1),
+        "decode_tok_s_per_request": round(
+            statistics.mean((t["tokens"] - 1) / (t["done"] - t["first"]) for t in times), 1
+        ),
         "tokens_short": sum(t["tokens"] != OUTPUT for t in times),
     }
 
@@ -115,10 +132,17 @@ def worker(case_path: str) -> None:
 
     # the engine's defaults (attention backend, torch.compile + CUDA graphs) except the GDN prefill
     # backend: FlashInfer's JIT-compiles for minutes on a fresh machine (FACTS.md)
-    kwargs = dict(model=case["model"], quantization="exl3", max_model_len=case["max_model_len"],
-                  gpu_memory_utilization=0.85, gdn_prefill_backend="triton",
-                  language_model_only=True, max_num_seqs=case["max_num_seqs"], seed=0,
-                  enforce_eager=case.get("enforce_eager", False))
+    kwargs = dict(
+        model=case["model"],
+        quantization="exl3",
+        max_model_len=case["max_model_len"],
+        gpu_memory_utilization=0.85,
+        gdn_prefill_backend="triton",
+        language_model_only=True,
+        max_num_seqs=case["max_num_seqs"],
+        seed=0,
+        enforce_eager=case.get("enforce_eager", False),
+    )
     if "max_num_batched_tokens" in case:
         kwargs.update(max_num_batched_tokens=case["max_num_batched_tokens"], enable_chunked_prefill=True)
     if case.get("enable_lora"):
@@ -150,16 +174,21 @@ def worker(case_path: str) -> None:
 
     def best_of(n, loras=None):
         runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(case.get("repeats", REPEATS))]
-        return {**max(runs, key=lambda r: r["throughput_tok_s"]),
-                "throughput_reps": " ".join(str(r["throughput_tok_s"]) for r in runs)}
+        return {
+            **max(runs, key=lambda r: r["throughput_tok_s"]),
+            "throughput_reps": " ".join(str(r["throughput_tok_s"]) for r in runs),
+        }
 
     def mixed_workload():
         times = timed(engine, prompts(1, LONG) + prompts(5))
         done = [t["done"] for t in times]
-        return dict(wall_s=round(max(done), 4), long_done_s=round(done[0], 3),
-                    short_done_s_mean=round(statistics.mean(done[1:]), 3),
-                    short_ttft_ms_mean=round(1000 * statistics.mean(t["first"] for t in times[1:]), 1),
-                    spread_s=round(statistics.pstdev(done), 4))
+        return dict(
+            wall_s=round(max(done), 4),
+            long_done_s=round(done[0], 3),
+            short_done_s_mean=round(statistics.mean(done[1:]), 3),
+            short_ttft_ms_mean=round(1000 * statistics.mean(t["first"] for t in times[1:]), 1),
+            spread_s=round(statistics.pstdev(done), 4),
+        )
 
     def measure(workload, n, loras=None):
         record({"engine": case["name"], "workload": workload, "n": n}, lambda: best_of(n, loras))
@@ -171,17 +200,32 @@ def worker(case_path: str) -> None:
         elif work == "lora":
             paths = sorted(case["adapters"].items())
             # four adapters: the two written, each also under a second id (a separate slot)
-            four = [LoRARequest(f"{name}-{k}", 1 + i + k * len(paths), path)
-                    for k in range(2) for i, (name, path) in enumerate(paths)]
+            four = [
+                LoRARequest(f"{name}-{k}", 1 + i + k * len(paths), path)
+                for k in range(2)
+                for i, (name, path) in enumerate(paths)
+            ]
             for n in sizes:
                 measure("lora on, no adapter", n)
                 measure("one adapter", n, [four[0]] * n)
                 measure("four adapters", n, [four[i % 4] for i in range(n)])
         elif work == "chunk":
-            record({"engine": case["name"], "workload": "long+5 short", "n": 6,
-                    "max_num_batched_tokens": case["max_num_batched_tokens"]}, mixed_workload)
-    print("RESULT " + json.dumps({"ok": True, "start_s": round(start_s, 2), "rows": rows,
-                                  "enforce_eager": kwargs["enforce_eager"]}), flush=True)
+            record(
+                {
+                    "engine": case["name"],
+                    "workload": "long+5 short",
+                    "n": 6,
+                    "max_num_batched_tokens": case["max_num_batched_tokens"],
+                },
+                mixed_workload,
+            )
+    print(
+        "RESULT "
+        + json.dumps(
+            {"ok": True, "start_s": round(start_s, 2), "rows": rows, "enforce_eager": kwargs["enforce_eager"]}
+        ),
+        flush=True,
+    )
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -206,28 +250,38 @@ def run_engine(case: dict, out: Path, timeout_s: float) -> dict:
     case_path.write_text(json.dumps(case))
     started = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(case_path)], capture_output=True,
-                              text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", str(case_path)], capture_output=True, text=True, timeout=timeout_s
+        )
         stdout, stderr = proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")) + f"\ntimeout after {timeout_s} s"
+        stderr = (
+            exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        ) + f"\ntimeout after {timeout_s} s"
     log = stdout + stderr
     (out / f"engine-{case['name']}.log").write_text(log)
     results = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
     partial = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
-    result = results[-1] if results else {"ok": False, "rows": partial, "error": stderr[-3000:], "cause": root_cause(log)}
-    result.update(engine=case["name"], wall_s=round(time.perf_counter() - started, 1),
-                  overlay=sorted(set(OVERLAY_LINE.findall(log))), p3_probe=sorted(set(P3_PROBE.findall(log))),
-                  p3_routed=dict(Counter(P3_ROUTED.findall(log))))
+    result = (
+        results[-1] if results else {"ok": False, "rows": partial, "error": stderr[-3000:], "cause": root_cause(log)}
+    )
+    result.update(
+        engine=case["name"],
+        wall_s=round(time.perf_counter() - started, 1),
+        overlay=sorted(set(OVERLAY_LINE.findall(log))),
+        p3_probe=sorted(set(P3_PROBE.findall(log))),
+        p3_routed=dict(Counter(P3_ROUTED.findall(log))),
+    )
     return result
 
 
 def collect(out: Path) -> None:
     results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
     rows = [r for res in results for r in res.get("rows", [])]
-    (out / "serving.json").write_text(json.dumps({r["engine"]: {k: v for k, v in r.items() if k != "rows"}
-                                                  for r in results}, indent=2))
+    (out / "serving.json").write_text(
+        json.dumps({r["engine"]: {k: v for k, v in r.items() if k != "rows"} for r in results}, indent=2)
+    )
     fields: list[str] = []
     for r in rows:
         fields += [k for k in r if k not in fields]
@@ -250,9 +304,18 @@ def main() -> None:
     ap.add_argument("--engine-timeout", type=float, default=540.0)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (--enforce-eager)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="repetitions per measurement (the best is kept)")
-    ap.add_argument("--engine-args", type=json.loads, default={},
-                    help='JSON merged into every engine\'s LLM(...) arguments, e.g. \'{"compilation_config": {"cudagraph_mode": "NONE"}}\'')
-    ap.add_argument("--engines", default="", help="comma-separated engine names (before --tag): run only these of the experiments' engines")
+    ap.add_argument(
+        "--engine-args",
+        type=json.loads,
+        default={},
+        help="JSON merged into every engine's LLM(...) arguments, e.g. "
+        '\'{"compilation_config": {"cudagraph_mode": "NONE"}}\'',
+    )
+    ap.add_argument(
+        "--engines",
+        default="",
+        help="comma-separated engine names (before --tag): run only these of the experiments' engines",
+    )
     ap.add_argument("--tag", default="", help="suffix for the engine names, so variants keep their own results")
     args = ap.parse_args()
     began = time.perf_counter()
@@ -264,12 +327,17 @@ def main() -> None:
         cases = [c for c in cases if c["name"] in args.engines.split(",")]
     if args.eager:
         cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
-    cases = [{**c, "name": c["name"] + args.tag, "repeats": args.repeats, "engine_args": args.engine_args} for c in cases]
+    cases = [
+        {**c, "name": c["name"] + args.tag, "repeats": args.repeats, "engine_args": args.engine_args} for c in cases
+    ]
     missing = sorted({str(Path(c["model"]).parent) for c in cases if not (Path(c["model"]) / "config.json").is_file()})
     if unknown or missing:
-        sys.exit(f"serving.py: unknown experiments {sorted(unknown)}" if unknown else
-                 f"serving.py: no checkpoint in {', '.join(missing)}: write them with hybrid-exl3-fixes make-tiny "
-                 "(see this script's docstring)")
+        sys.exit(
+            f"serving.py: unknown experiments {sorted(unknown)}"
+            if unknown
+            else f"serving.py: no checkpoint in {', '.join(missing)}: write them with hybrid-exl3-fixes make-tiny "
+            "(see this script's docstring)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     for case in cases:
         done = out / f"result-{case['name']}.json"
@@ -283,8 +351,12 @@ def main() -> None:
         result = run_engine(case, out, min(args.engine_timeout, left))
         done.write_text(json.dumps(result, indent=1))
         collect(out)
-        print(case["name"], {k: v for k, v in result.items() if k not in ("rows", "error")},
-              "ERROR " + result["error"][-300:] if "error" in result else "", flush=True)
+        print(
+            case["name"],
+            {k: v for k, v in result.items() if k not in ("rows", "error")},
+            "ERROR " + result["error"][-300:] if "error" in result else "",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class StubResult:
 
 # -- where to look ------------------------------------------------------------------------
 
+
 def _under(root: Path, path: str | os.PathLike) -> Path:
     p = Path(path)
     if str(root) == "/" or not p.is_absolute():
@@ -147,6 +148,7 @@ def find_cuda_headers(prefixes: list[tuple[str, Path]], root: Path) -> list[Path
 
 # -- generation ---------------------------------------------------------------------------
 
+
 def driver_symbols(header_text: str) -> list[str]:
     """Driver-API function names of a cuda.h: every declared ``cu*`` function, every ``_vN``
     alias a ``#define`` points to, and the per-thread-stream ``_ptds``/``_ptsz`` variants."""
@@ -173,12 +175,17 @@ def generate_stub(header: Path, dest: Path, cc: str) -> int:
     if len(symbols) < 100:
         raise BuildError(f"{header} declares only {len(symbols)} driver functions: not a CUDA driver API header")
     source = dest.parent / "libcuda_stub.c"
-    lines = [f"/* libcuda stub generated from {header} by hybrid-exl3-fixes: link-time only. */",
-             f"#define STUB {{ return {CUDA_ERROR_STUB_LIBRARY}; /* CUDA_ERROR_STUB_LIBRARY */ }}"]
+    lines = [
+        f"/* libcuda stub generated from {header} by hybrid-exl3-fixes: link-time only. */",
+        f"#define STUB {{ return {CUDA_ERROR_STUB_LIBRARY}; /* CUDA_ERROR_STUB_LIBRARY */ }}",
+    ]
     lines += [f"int {name}(void) STUB" for name in symbols]
     source.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([cc, "-shared", "-fPIC", "-O0", f"-Wl,-soname,{SONAME}", "-o", str(dest), str(source)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O0", f"-Wl,-soname,{SONAME}", "-o", str(dest), str(source)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise BuildError(f"compiling the stub with {cc} failed:\n{proc.stderr[-2000:]}")
     return len(symbols)
@@ -189,8 +196,9 @@ def generate_stub(header: Path, dest: Path, cc: str) -> int:
 PROBE_C = "extern int cuInit(unsigned int);\nint main(void) { return cuInit(0) == 0 ? 0 : 1; }\n"
 
 
-def link_probe(cc: str, stub_dir: Path, work: Path, cuda_home: Path | None, readelf: str,
-               env: dict[str, str]) -> list[str]:
+def link_probe(
+    cc: str, stub_dir: Path, work: Path, cuda_home: Path | None, readelf: str, env: dict[str, str]
+) -> list[str]:
     """Link a probe as flashinfer links (``-L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs [-lcudart]
     -lcuda`` + ``FLASHINFER_EXTRA_LDFLAGS=-L<stub dir>``); it must record NEEDED libcuda.so.1.
     Returns warnings (e.g. a compiler that ignores LIBRARY_PATH)."""
@@ -206,20 +214,32 @@ def link_probe(cc: str, stub_dir: Path, work: Path, cuda_home: Path | None, read
     cmd = [cc, str(src), "-o", str(probe), *flags, f"-L{stub_dir}", "-lcuda"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "LIBRARY_PATH": ""})
     if proc.returncode != 0:
-        raise BuildError(f"self-check: linking a probe as flashinfer does failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        raise BuildError(
+            f"self-check: linking a probe as flashinfer does failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}"
+        )
     needed = read_needed(probe, readelf)
     if SONAME not in needed:
         ahead = [d for d in flags if d.startswith("-L") and (Path(d[2:]) / "libcuda.so").exists()]
         raise BuildError(
             f"self-check: a probe linked as flashinfer links records NEEDED {needed}, not {SONAME}. "
-            + (f"The linker takes libcuda.so from {ahead[0][2:]} first (flashinfer's own -L comes before "
-               "FLASHINFER_EXTRA_LDFLAGS): fix or remove that file, or point CUDA_HOME at a toolkit without it"
-               if ahead else "The stub does not link as expected"))
-    via_library_path = subprocess.run([cc, str(src), "-o", str(work / "probe2"), "-lcuda"], capture_output=True,
-                                      text=True, env={**env, "LIBRARY_PATH": str(stub_dir)})
+            + (
+                f"The linker takes libcuda.so from {ahead[0][2:]} first (flashinfer's own -L comes before "
+                "FLASHINFER_EXTRA_LDFLAGS): fix or remove that file, or point CUDA_HOME at a toolkit without it"
+                if ahead
+                else "The stub does not link as expected"
+            )
+        )
+    via_library_path = subprocess.run(
+        [cc, str(src), "-o", str(work / "probe2"), "-lcuda"],
+        capture_output=True,
+        text=True,
+        env={**env, "LIBRARY_PATH": str(stub_dir)},
+    )
     if via_library_path.returncode != 0:
-        warnings.append(f"{cc} ignores LIBRARY_PATH (conda's cross-built compilers do): builds that do not read "
-                        "FLASHINFER_EXTRA_LDFLAGS need -L<stub dir> passed by hand")
+        warnings.append(
+            f"{cc} ignores LIBRARY_PATH (conda's cross-built compilers do): builds that do not read "
+            "FLASHINFER_EXTRA_LDFLAGS need -L<stub dir> passed by hand"
+        )
     return warnings
 
 
@@ -229,8 +249,10 @@ def ld_library_path_warnings(env: dict[str, str], out: Path) -> list[str]:
         folder = Path(entry)
         holds_stub = (folder / "libcuda.so").exists() and not (folder / SONAME).exists()
         if os.path.realpath(folder) == os.path.realpath(out) or holds_stub:
-            warnings.append(f"LD_LIBRARY_PATH holds a libcuda stub folder ({entry}): it shadows the driver at run time "
-                            f"(cuInit returns {CUDA_ERROR_STUB_LIBRARY}, CUDA_ERROR_STUB_LIBRARY). Remove it from LD_LIBRARY_PATH.")
+            warnings.append(
+                f"LD_LIBRARY_PATH holds a libcuda stub folder ({entry}): it shadows the driver at run time "
+                f"(cuInit returns {CUDA_ERROR_STUB_LIBRARY}, CUDA_ERROR_STUB_LIBRARY). Remove it from LD_LIBRARY_PATH."
+            )
     return warnings
 
 
@@ -258,14 +280,17 @@ def env_sh(out: Path, wsl_driver: Path | None) -> str:
 
 # -- the whole job ------------------------------------------------------------------------
 
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise BuildError(f"{out} exists and is not a folder")
     if out.is_dir():
         foreign = sorted(p.name for p in out.iterdir() if p.name not in ("libcuda.so", "manifest.json", "env.sh"))
         if foreign:
-            raise BuildError(f"{out} holds other files ({', '.join(foreign)}); the stub folder must hold only the stub. "
-                             "Choose an empty or new folder")
+            raise BuildError(
+                f"{out} holds other files ({', '.join(foreign)}); the stub folder must hold only the stub. "
+                "Choose an empty or new folder"
+            )
         if not os.access(out, os.W_OK):
             raise BuildError(f"{out} is not writable; choose another --out")
         return
@@ -312,11 +337,15 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
             headers = find_cuda_headers(prefixes, root)
             if not headers:
                 detail = "".join(f"\n  rejected {c.path}: {c.reason}" for c in rejected)
-                raise BuildError("no usable libcuda stub and no cuda.h to generate one from. Install a CUDA toolkit, or "
-                                 "`pip install nvidia-cuda-runtime-cu12` (it ships include/cuda.h), or set CUDA_HOME." + detail)
+                raise BuildError(
+                    "no usable libcuda stub and no cuda.h to generate one from. Install a CUDA toolkit, or "
+                    "`pip install nvidia-cuda-runtime-cu12` (it ships include/cuda.h), or set CUDA_HOME." + detail
+                )
             if cc is None:
-                raise BuildError("no C compiler (cc/gcc, or $CC) to build the stub from "
-                                 f"{headers[0]}: apt-get install gcc, or set CC")
+                raise BuildError(
+                    "no C compiler (cc/gcc, or $CC) to build the stub from "
+                    f"{headers[0]}: apt-get install gcc, or set CC"
+                )
             symbols = generate_stub(headers[0], stage_lib, cc)
             source = f"generated from {headers[0]}"
         soname = read_soname(stage_lib, readelf)
@@ -333,10 +362,14 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
         wsl_dir = _under(root, WSL_DRIVER_DIR)
         wsl_driver = wsl_dir if (wsl_dir / SONAME).exists() and not ldconfig_knows_libcuda() else None
         manifest = {
-            "source": source, "soname": soname, "symbols": symbols, "out": str(out),
+            "source": source,
+            "soname": soname,
+            "symbols": symbols,
+            "out": str(out),
             "sha256": hashlib.sha256(stage_lib.read_bytes()).hexdigest(),
             "rejected": [{"path": str(c.path), "reason": c.reason} for c in rejected],
-            "warnings": warnings, "error_code_returned": CUDA_ERROR_STUB_LIBRARY,
+            "warnings": warnings,
+            "error_code_returned": CUDA_ERROR_STUB_LIBRARY,
         }
         (staging / "lib" / "manifest.json").write_text(json.dumps(manifest, indent=2))
         (staging / "lib" / "env.sh").write_text(env_sh(out, wsl_driver))

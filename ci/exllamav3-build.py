@@ -31,8 +31,9 @@ def status(ext_dir: Path) -> str:
     done = [line.split("\t") for line in log.read_text().splitlines()[1:]] if log.exists() else []
     last_ms = max((int(d[1]) for d in done), default=0)
     so = list(build.glob("*.so"))
-    return (f"{build}: {len(done)} of {planned} objects compiled, {last_ms / 1000:.0f} s of ninja time"
-            + (f"; built {so[0].name} ({so[0].stat().st_size / 2**20:.0f} MiB)" if so else ""))
+    return f"{build}: {len(done)} of {planned} objects compiled, {last_ms / 1000:.0f} s of ninja time" + (
+        f"; built {so[0].name} ({so[0].stat().st_size / 2**20:.0f} MiB)" if so else ""
+    )
 
 
 def main() -> None:
@@ -47,8 +48,11 @@ def main() -> None:
     pkg = types.ModuleType("exllamav3")
     pkg.__path__ = [str(src / "exllamav3")]
     sys.modules["exllamav3"] = pkg
-    print(f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')} MAX_JOBS={os.environ.get('MAX_JOBS')} "
-          f"cores={os.cpu_count()}", flush=True)
+    print(
+        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')} MAX_JOBS={os.environ.get('MAX_JOBS')} "
+        f"cores={os.cpu_count()}",
+        flush=True,
+    )
     start = time.time()
     importlib.import_module("exllamav3.ext")
     print(f"exllamav3_ext built and loaded in {time.time() - start:.0f} s", flush=True)

@@ -29,8 +29,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = [[51, 71, 68, 220, 71, 88, 300, 12, 45, 77, 9, 301], [36, 55, 43, 18, 220, 83, 90, 91, 400, 3],
-           [43, 78, 49, 32, 220, 64, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+PROMPTS = [
+    [51, 71, 68, 220, 71, 88, 300, 12, 45, 77, 9, 301],
+    [36, 55, 43, 18, 220, 83, 90, 91, 400, 3],
+    [43, 78, 49, 32, 220, 64, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+]
 TOP = 20
 
 
@@ -55,8 +58,10 @@ def exl3_logprobs(model_dir: Path) -> list[torch.Tensor]:
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)
     model.load(device="cuda:0")
-    out = [model.forward(torch.tensor([ids]), {"attn_mode": "flash_attn_nc"})[0].float().log_softmax(-1).cpu()
-           for ids in PROMPTS]
+    out = [
+        model.forward(torch.tensor([ids]), {"attn_mode": "flash_attn_nc"})[0].float().log_softmax(-1).cpu()
+        for ids in PROMPTS
+    ]
     model.unload()
     return out
 
@@ -88,8 +93,13 @@ def step_read_aphrodite(work: Path) -> None:
     for codebook in ("mcg", "mul1", "3inst"):
         tiny = work / f"tiny-{codebook}"
         own = [torch.tensor(x) for x in json.loads((tiny / "exllamav3-own.json").read_text())]
-        case = {"model": str(tiny / "exl3"), "quantization": "exl3", "prompts": PROMPTS, "loras": [None] * 3,
-                "batches": [[0], [1], [2]]}
+        case = {
+            "model": str(tiny / "exl3"),
+            "quantization": "exl3",
+            "prompts": PROMPTS,
+            "loras": [None] * 3,
+            "batches": [[0], [1], [2]],
+        }
         aphrodite_vs(own, case, work, f"aphrodite-reads-ours-{codebook}", step="read-aphrodite", codebook=codebook)
 
 
@@ -103,8 +113,25 @@ def step_convert(work: Path) -> None:
     # only in bfloat16: convert a bfloat16 copy of the dense twin, as published Qwen3.5 checkpoints are.
     source = bf16_copy(tiny / "dense", work / "dense-bf16")
     out, scratch = work / "converted", work / "convert-work"
-    cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(source), "-o", str(out),
-           "-w", str(scratch), "-b", "4", "-cr", "16", "-cc", "256", "-vb", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "exllamav3.conversion.convert_model",
+        "-i",
+        str(source),
+        "-o",
+        str(out),
+        "-w",
+        str(scratch),
+        "-b",
+        "4",
+        "-cr",
+        "16",
+        "-cc",
+        "256",
+        "-vb",
+        "16",
+    ]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (work / "convert.log").write_text(proc.stdout + proc.stderr)
@@ -116,8 +143,14 @@ def step_convert(work: Path) -> None:
     quantized = sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3")
     own = exl3_logprobs(out)
     (work / "exl3-own.json").write_text(json.dumps([lp.tolist() for lp in own]))
-    result(step="convert", ok=True, seconds=round(time.time() - start, 1), exl3_tensors=len(quantized),
-           example=quantized[:3], vs_dense_twin=compare(own, hf_logprobs(tiny / "dense")))
+    result(
+        step="convert",
+        ok=True,
+        seconds=round(time.time() - start, 1),
+        exl3_tensors=len(quantized),
+        example=quantized[:3],
+        vs_dense_twin=compare(own, hf_logprobs(tiny / "dense")),
+    )
 
 
 def bf16_copy(src: Path, dst: Path) -> Path:
@@ -127,7 +160,9 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst, dirs_exist_ok=True)
     state = load_file(str(dst / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2))
     return dst
@@ -135,16 +170,23 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 
 def step_aphrodite(work: Path) -> None:
     own = [torch.tensor(x) for x in json.loads((work / "exl3-own.json").read_text())]
-    case = {"model": str(work / "converted"), "quantization": "exl3", "enable_lora": True, "prompts": PROMPTS,
-            "loras": [None, "lora-a", None], "adapters": {"lora-a": str(work / "tiny-mcg" / "lora-a")},
-            "batches": [[0], [1], [2]]}
+    case = {
+        "model": str(work / "converted"),
+        "quantization": "exl3",
+        "enable_lora": True,
+        "prompts": PROMPTS,
+        "loras": [None, "lora-a", None],
+        "adapters": {"lora-a": str(work / "tiny-mcg" / "lora-a")},
+        "batches": [[0], [1], [2]],
+    }
     aphrodite_vs(own, case, work, "aphrodite-reads-exllamav3", step="aphrodite")
 
 
 def aphrodite_vs(own: list[torch.Tensor], case: dict, work: Path, name: str, **labels) -> None:
     """Run aphrodite (+ the overlay) on ``case`` in its own process; prompt logprobs vs exllamav3's ``own``."""
     sys.path.insert(0, str(HERE.parent / "tests" / "gpu"))
-    from harness import compare as compare_prompt_logprobs, run_engine
+    from harness import compare as compare_prompt_logprobs
+    from harness import run_engine
 
     res = run_engine(case, work, name)
     if not res["ok"]:
@@ -154,12 +196,26 @@ def aphrodite_vs(own: list[torch.Tensor], case: dict, work: Path, name: str, **l
     rows = []
     for out in res["outputs"]:
         c = compare_prompt_logprobs(out["prompt_logprobs"], own[out["index"]])
-        rows.append({"prompt": out["index"], "lora": out["lora"], "max_abs_dlogprob_vs_exllamav3": c["max_abs_dlogprob"],
-                     "argmax_agree": f"{c['argmax_agree']}/{c['positions']}"})
-    result(**labels, ok=True, start_s=res["start_s"], requests=rows, overlay_summary=sorted(set(re.findall(r"hybrid-exl3-fixes: (applied=[^\n]*)", res["output"]))))
+        rows.append(
+            {
+                "prompt": out["index"],
+                "lora": out["lora"],
+                "max_abs_dlogprob_vs_exllamav3": c["max_abs_dlogprob"],
+                "argmax_agree": f"{c['argmax_agree']}/{c['positions']}",
+            }
+        )
+    result(
+        **labels,
+        ok=True,
+        start_s=res["start_s"],
+        requests=rows,
+        overlay_summary=sorted(set(re.findall(r"hybrid-exl3-fixes: (applied=[^\n]*)", res["output"]))),
+    )
 
 
 if __name__ == "__main__":
     step, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    {"read": step_read, "read-aphrodite": step_read_aphrodite, "convert": step_convert, "aphrodite": step_aphrodite}[step](work)
+    {"read": step_read, "read-aphrodite": step_read_aphrodite, "convert": step_convert, "aphrodite": step_aphrodite}[
+        step
+    ](work)

@@ -14,8 +14,13 @@ def main(junit: str, results: str) -> None:
             for tag in ("failure", "error", "skipped"):
                 node = case.find(tag)
                 if node is not None:
-                    outcome = f"{tag}: {(node.get('message') or '').splitlines()[0][:120] if node.get('message') else ''}"
-            print(f"| {case.get('classname').split('.')[-1]}::{case.get('name')} | {outcome} | {float(case.get('time', 0)):.1f} |")
+                    outcome = (
+                        f"{tag}: {(node.get('message') or '').splitlines()[0][:120] if node.get('message') else ''}"
+                    )
+            print(
+                f"| {case.get('classname').split('.')[-1]}::{case.get('name')} | {outcome} "
+                f"| {float(case.get('time', 0)):.1f} |"
+            )
     if Path(results).exists():
         print("\n## Measurements\n")
         for name, values in json.loads(Path(results).read_text()).items():

@@ -16,8 +16,18 @@ from .aphrodite.lora.layers import utils as _p2
 from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3 and P4
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
-__all__ = ["PATCHES", "REGISTRY", "apply_all", "undo_all", "status", "summary", "register", "plugin_gate",
-           "DISABLE_ENV", "PLUGIN_NAME"]
+__all__ = [
+    "PATCHES",
+    "REGISTRY",
+    "apply_all",
+    "undo_all",
+    "status",
+    "summary",
+    "register",
+    "plugin_gate",
+    "DISABLE_ENV",
+    "PLUGIN_NAME",
+]
 
 PLUGIN_NAME = "hybrid_exl3_fixes"
 
@@ -60,8 +70,11 @@ def summary(results: list[Result]) -> str:
         f"hybrid-exl3-fixes: applied={counts[Status.APPLIED]} upstream_fixed={counts[Status.UPSTREAM_FIXED]} "
         f"drifted={counts[Status.DRIFTED]}"
     )
-    extra = [f"{s.value.lower()}={counts[s]}" for s in (Status.NOT_APPLICABLE, Status.DISABLED, Status.FAILED,
-                                                       Status.BROKEN_INSTALL) if counts[s]]
+    extra = [
+        f"{s.value.lower()}={counts[s]}"
+        for s in (Status.NOT_APPLICABLE, Status.DISABLED, Status.FAILED, Status.BROKEN_INSTALL)
+        if counts[s]
+    ]
     if extra:
         line += " " + " ".join(extra)
     version = aphrodite_version()
@@ -88,11 +101,18 @@ def register() -> None:
                 logger.warning(
                     "hybrid-exl3-fixes: %s %s %s: %s. The engine runs unpatched for this fix; "
                     "report it with `hybrid-exl3-fixes status --json`.",
-                    result.patch.id, result.patch.slug, result.status.value, result.reason,
+                    result.patch.id,
+                    result.patch.slug,
+                    result.status.value,
+                    result.reason,
                 )
             elif result.status is Status.UPSTREAM_FIXED:
-                logger.info("hybrid-exl3-fixes: %s %s is fixed upstream (%s); not patched.",
-                            result.patch.id, result.patch.slug, result.patch.upstream)
+                logger.info(
+                    "hybrid-exl3-fixes: %s %s is fixed upstream (%s); not patched.",
+                    result.patch.id,
+                    result.patch.slug,
+                    result.patch.upstream,
+                )
         worst = any(r.is_problem for r in results)
         logger.log(logging.WARNING if worst else logging.INFO, "%s", summary(results))
     except Exception:  # pragma: no cover - the last line of defence for the engine

@@ -42,6 +42,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybrid-exl3-fixes")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import hybrid_exl3_fixes as overlay
 
@@ -64,17 +73,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     drifted = any(r.is_problem for r in results)
     not_loaded = load_general_plugins is not None and gate is not None
     if args.json:
-        print(json.dumps({
-            "aphrodite": overlay.aphrodite_version(),
-            "loaded_by_aphrodite": loaded_by_aphrodite,
-            "plugin_gate": gate,
-            "summary": overlay.summary(results),
-            "patches": [r.as_dict() for r in results],
-        }, indent=2), file=args.json_out)
+        print(
+            json.dumps(
+                {
+                    "aphrodite": overlay.aphrodite_version(),
+                    "loaded_by_aphrodite": loaded_by_aphrodite,
+                    "plugin_gate": gate,
+                    "summary": overlay.summary(results),
+                    "patches": [r.as_dict() for r in results],
+                },
+                indent=2,
+            ),
+            file=args.json_out,
+        )
     else:
         rows = [("patch", "status", "upstream", "fixed in", "reason")]
-        rows += [(f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
-                 for r in results]
+        rows += [
+            (f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
+            for r in results
+        ]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         for row in rows:
             print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
@@ -95,24 +112,34 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     try:
         from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
     except ImportError as exc:
-        print(f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
-              "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'", file=sys.stderr)
+        print(
+            f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
+            "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'",
+            file=sys.stderr,
+        )
         return 2
     try:
-        spec = TinySpec.preset(args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp,
-                               dtype=args.dtype)
+        spec = TinySpec.preset(
+            args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp, dtype=args.dtype
+        )
         if args.device:
             _check_device(args.device)
         manifest = write_tiny(args.dir, spec, device=args.device, dense=not args.no_dense)
     except ImportError as exc:  # torch, safetensors or tokenizers, imported when writing
-        print(f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
-              "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'", file=sys.stderr)
+        print(
+            f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
+            "tokenizers: pip install 'hybrid-exl3-fixes[make-tiny]'",
+            file=sys.stderr,
+        )
         return 2
     except (ValueError, OSError) as exc:  # bad options, a folder it cannot create, a full disk: nothing is left
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
-          f"{args.codebook}, config dtype {args.dtype}), {'' if args.no_dense else 'dense/ (decoded twin), '}{', '.join(manifest['adapters'])} (LoRA rank 8)")
+    print(
+        f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
+        f"{args.codebook}, config dtype {args.dtype}), {'' if args.no_dense else 'dense/ (decoded twin), '}"
+        f"{', '.join(manifest['adapters'])} (LoRA rank 8)"
+    )
     return 0
 
 
@@ -146,8 +173,10 @@ def cmd_stubs(args: argparse.Namespace) -> int:
         return 2
     for cand in result.rejected:
         print(f"skipped {cand.path} ({cand.origin}): {cand.reason}")
-    print(f"libcuda stub: {result.out}/libcuda.so, {result.source}, SONAME {result.soname}"
-          + (f", {result.symbols} symbols" if result.symbols else ""))
+    print(
+        f"libcuda stub: {result.out}/libcuda.so, {result.source}, SONAME {result.soname}"
+        + (f", {result.symbols} symbols" if result.symbols else "")
+    )
     print("self-check passed: a probe linked as flashinfer links records NEEDED libcuda.so.1")
     for warning in result.warnings:
         print(f"WARNING: {warning}", file=sys.stderr)
@@ -158,10 +187,19 @@ def cmd_stubs(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.doctor import as_json, diagnose, render
 
-    report = diagnose(args.model_dir, gpu_mem=args.gpu_mem, gpus=args.gpus, tp=args.tp,
-                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype,
-                      utilization=args.gpu_memory_utilization, language_model_only=args.language_model_only,
-                      enable_lora=args.enable_lora, dtype=args.dtype)
+    report = diagnose(
+        args.model_dir,
+        gpu_mem=args.gpu_mem,
+        gpus=args.gpus,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_dtype=args.kv_dtype,
+        utilization=args.gpu_memory_utilization,
+        language_model_only=args.language_model_only,
+        enable_lora=args.enable_lora,
+        dtype=args.dtype,
+    )
     if args.json:
         print(as_json(report), file=args.json_out)
     else:
@@ -173,36 +211,60 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid_exl3_fixes.doctor import DTYPE_CHOICES  # torch-free, light
 
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="apply through aphrodite's plugin loader and print each patch's status",
-                            description="Exit 0: every patch applied, fixed upstream or not applicable; "
-                                        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin; "
-                                        "3: the aphrodite install is broken (a package it needs is missing).")
+    status = sub.add_parser(
+        "status",
+        help="apply through aphrodite's plugin loader and print each patch's status",
+        description="Exit 0: every patch applied, fixed upstream or not applicable; "
+        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin; "
+        "3: the aphrodite install is broken (a package it needs is missing).",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
-    tiny = sub.add_parser("make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters")
+    tiny = sub.add_parser(
+        "make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters"
+    )
     tiny.add_argument("dir", help="a new (or empty) folder")
     tiny.add_argument("--bits", type=positive_int, default=4, help="EXL3 bitrate K, 1..8 (default 4)")
     tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
     tiny.add_argument("--seed", type=non_negative_int, default=0)
     tiny.add_argument("--tp", type=positive_int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
-    tiny.add_argument("--device", help="torch device to pack and decode on, e.g. cuda (default: the CPU); "
-                      "the EXL3 tensors are the same either way")
-    tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
-                      help="the config's dtype (default bfloat16, as exllamav3 keeps the source model's and "
-                           "Qwen3.5/3.6 are bfloat16); float16 writes the checkpoints of this project before 2026-12-01")
+    tiny.add_argument(
+        "--device",
+        help="torch device to pack and decode on, e.g. cuda (default: the CPU); "
+        "the EXL3 tensors are the same either way",
+    )
+    tiny.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16"],
+        help="the config's dtype (default bfloat16, as exllamav3 keeps the source model's and "
+        "Qwen3.5/3.6 are bfloat16); float16 writes the checkpoints of this project before 2026-12-01",
+    )
     tiny.add_argument("--no-dense", action="store_true", help="skip the dense twin (benchmarks never read it)")
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen3.6-27b"],
-                      help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks")
+    tiny.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "qwen3.6-27b"],
+        help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
-    stubs = sub.add_parser("stubs", help="find or generate a libcuda stub for JIT links (WSL2, conda CUDA) and write env.sh",
-                           description="Exit 0: stub written and self-checked; 2: bad input or environment (nothing written).")
-    stubs.add_argument("--out", default=default_stub_dir(), help="folder for libcuda.so, env.sh, manifest.json "
-                       "(default: %(default)s)")
+    stubs = sub.add_parser(
+        "stubs",
+        help="find or generate a libcuda stub for JIT links (WSL2, conda CUDA) and write env.sh",
+        description="Exit 0: stub written and self-checked; 2: bad input or environment (nothing written).",
+    )
+    stubs.add_argument(
+        "--out", default=default_stub_dir(), help="folder for libcuda.so, env.sh, manifest.json (default: %(default)s)"
+    )
     stubs.add_argument("--root", default="/", help="filesystem root to search (for testing layouts)")
     stubs.set_defaults(func=cmd_stubs)
-    doctor = sub.add_parser("doctor", help="preflight a hybrid GDN (+EXL3) model folder and plan its memory",
-                            description="Exit 0: ok; 1: warnings; 2: blocking problems.")
+    doctor = sub.add_parser(
+        "doctor",
+        help="preflight a hybrid GDN (+EXL3) model folder and plan its memory",
+        description="Exit 0: ok; 1: warnings; 2: blocking problems.",
+    )
     doctor.add_argument("model_dir")
     doctor.add_argument("--gpu-mem", type=positive_float, help="GiB per GPU (enables the KV pool and concurrency plan)")
     doctor.add_argument("--gpus", type=positive_int, default=1)
@@ -211,11 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--max-num-seqs", type=positive_int, default=256)
     doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
     doctor.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
-    doctor.add_argument("--language-model-only", action="store_true", help="text only: no processor files, no image budget")
+    doctor.add_argument(
+        "--language-model-only", action="store_true", help="text only: no processor files, no image budget"
+    )
     doctor.add_argument("--enable-lora", action="store_true", help="the engine will run with --enable-lora")
-    doctor.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
-                        help="the engine's --dtype (default auto: the config's); float16 activations decide the "
-                             "compiled-mode check")
+    doctor.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPE_CHOICES),
+        help="the engine's --dtype (default auto: the config's); float16 activations decide the compiled-mode check",
+    )
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
@@ -233,8 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # every expected bad input has its own message; this is a bug of ours
         if os.environ.get(DEBUG_ENV):
             raise
-        print(f"hybrid-exl3-fixes {args.command}: unexpected {type(exc).__name__}: {exc}. This is a bug in "
-              f"hybrid-exl3-fixes: rerun with {DEBUG_ENV}=1 and report the traceback", file=sys.stderr)
+        print(
+            f"hybrid-exl3-fixes {args.command}: unexpected {type(exc).__name__}: {exc}. This is a bug in "
+            f"hybrid-exl3-fixes: rerun with {DEBUG_ENV}=1 and report the traceback",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

@@ -117,8 +117,9 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
     where = "config.json"
     if "text_config" in config:
         if not isinstance(config["text_config"], dict):
-            top.problems.append(f"config.json: text_config is {describe(config['text_config'])}, expected an object"
-                                + FIX_CONFIG)
+            top.problems.append(
+                f"config.json: text_config is {describe(config['text_config'])}, expected an object" + FIX_CONFIG
+            )
             return shape, top.problems
         where = "config.json text_config"
     text = Fields(text_config(config), where)
@@ -129,8 +130,10 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
     if types is not None:
         unknown = sorted(set(types) - {"linear_attention", "full_attention"})
         if unknown:
-            text.problems.append(f"{where}: layer_types holds {', '.join(map(repr, unknown))}, expected "
-                                 "'linear_attention' or 'full_attention'")
+            text.problems.append(
+                f"{where}: layer_types holds {', '.join(map(repr, unknown))}, expected "
+                "'linear_attention' or 'full_attention'"
+            )
         elif layers is not None and len(types) != layers:
             text.problems.append(f"{where}: layer_types lists {len(types)} layers but num_hidden_layers is {layers}")
         else:
@@ -143,9 +146,15 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
         shape.head_dim = head_dim or (shape.hidden // shape.heads if shape.hidden and shape.heads else None)
     if shape.linear_layers:
         hint = ": the GatedDeltaNet state is sized from it" + FIX_CONFIG
-        gdn = {key: text.positive_int(name, hint=hint) for key, name in (
-            ("value_heads", "linear_num_value_heads"), ("key_heads", "linear_num_key_heads"),
-            ("key_dim", "linear_key_head_dim"), ("value_dim", "linear_value_head_dim"))}
+        gdn = {
+            key: text.positive_int(name, hint=hint)
+            for key, name in (
+                ("value_heads", "linear_num_value_heads"),
+                ("key_heads", "linear_num_key_heads"),
+                ("key_dim", "linear_key_head_dim"),
+                ("value_dim", "linear_value_head_dim"),
+            )
+        }
         gdn["kernel"] = text.positive_int("linear_conv_kernel_dim", required=False, hint=FIX_CONFIG) or 4
         shape.gdn = gdn if all(v is not None for v in gdn.values()) else None
     shape.max_position = text.positive_int("max_position_embeddings", required=False, hint=FIX_CONFIG)
@@ -153,21 +162,27 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
         for key in ("dtype", "torch_dtype"):
             declared = fields.string(key, required=False)
             if declared is not None and declared not in CONFIG_DTYPES:
-                fields.problems.append(f"{fields.where}: {key} is {describe(declared)}, not a dtype the engine knows "
-                                       f"({', '.join(CONFIG_DTYPES)})")
+                fields.problems.append(
+                    f"{fields.where}: {key} is {describe(declared)}, not a dtype the engine knows "
+                    f"({', '.join(CONFIG_DTYPES)})"
+                )
             elif declared is not None:
                 shape.declared_dtype = shape.declared_dtype or declared
     qcfg = top.object("quantization_config")
     if qcfg is not None:
         q = Fields(qcfg, "config.json quantization_config")
-        shape.quant = {"quant_method": q.string("quant_method", hint=": which quantization the weights use"),
-                       "head_bits": q.number("head_bits", required=False)}
+        shape.quant = {
+            "quant_method": q.string("quant_method", hint=": which quantization the weights use"),
+            "head_bits": q.number("head_bits", required=False),
+        }
         top.problems += q.problems
     vision = top.object("vision_config")
     if vision is not None:
         v = Fields(vision, "config.json vision_config")
-        shape.vision = {"patch": v.positive_int("patch_size", required=False) or 16,
-                        "merge": v.positive_int("spatial_merge_size", required=False) or 2}
+        shape.vision = {
+            "patch": v.positive_int("patch_size", required=False) or 16,
+            "merge": v.positive_int("spatial_merge_size", required=False) or 2,
+        }
         top.problems += v.problems
     return shape, top.problems + text.problems
 
@@ -199,12 +214,18 @@ def weight_files(report: Report, folder: Path) -> list[Path]:
         report.add("BLOCK", "weights", str(exc))
         return files
     if weight_map is None or not all(isinstance(v, str) for v in weight_map.values()):
-        report.add("BLOCK", "weights", f"{index.name}: weight_map is missing or does not map tensor names to file names")
+        report.add(
+            "BLOCK", "weights", f"{index.name}: weight_map is missing or does not map tensor names to file names"
+        )
         return files
     missing = sorted({v for v in weight_map.values() if not (folder / v).exists()})
     if missing:
-        report.add("BLOCK", "weights", f"{index.name} names {len(missing)} shard(s) that are not in the folder: "
-                   f"{', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}; download them again")
+        report.add(
+            "BLOCK",
+            "weights",
+            f"{index.name} names {len(missing)} shard(s) that are not in the folder: "
+            f"{', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}; download them again",
+        )
     return files
 
 
@@ -237,8 +258,14 @@ def state_bytes_per_sequence(shape: Shape) -> tuple[int, int, str]:
     vh, kd, vd, kh, kernel = g["value_heads"], g["key_dim"], g["value_dim"], g["key_heads"], g["kernel"]
     recurrent = linear * vh * kd * vd * 4
     conv = linear * (2 * kh * kd + vh * vd) * (kernel - 1) * 2
-    return recurrent, conv, (f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x 4 B recurrent "
-                             f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x 2 B)")
+    return (
+        recurrent,
+        conv,
+        (
+            f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x 4 B recurrent "
+            f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x 2 B)"
+        ),
+    )
 
 
 def image_tokens(report: Report, folder: Path, shape: Shape, language_model_only: bool = False) -> tuple[int, str]:
@@ -280,9 +307,10 @@ def read_tensor_storage(report: Report, folder: Path) -> dict[str, dict] | None:
             continue
         stored = entry.get("stored_tensors", {})
         if not isinstance(stored, dict) or not all(
-                isinstance(i, dict) and (i.get("shape") is None or (isinstance(i.get("shape"), list)
-                                                                    and all(is_int(d) for d in i["shape"])))
-                for i in stored.values()):
+            isinstance(i, dict)
+            and (i.get("shape") is None or (isinstance(i.get("shape"), list) and all(is_int(d) for d in i["shape"])))
+            for i in stored.values()
+        ):
             bad.append(f"{prefix}.stored_tensors is not an object of {{shape: [sizes]}} entries")
             continue
         if "quant_format" in entry and not isinstance(entry["quant_format"], str):
@@ -299,10 +327,15 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
     if method != "exl3":
         trellises = sorted(k for k in tensors if k.endswith(".trellis"))
         if trellises:
-            report.add("BLOCK", "quantization", f"the safetensors hold {len(trellises)} EXL3 tensors "
-                       f"({trellises[0]}, ...) but config.json's "
-                       f"{'quantization_config is missing' if not shape.quant else f'quantization_config.quant_method is {method!r}'}"
-                       ": copy config.json from the EXL3 conversion")
+            said = (
+                f"quantization_config.quant_method is {method!r}" if shape.quant else "quantization_config is missing"
+            )
+            report.add(
+                "BLOCK",
+                "quantization",
+                f"the safetensors hold {len(trellises)} EXL3 tensors ({trellises[0]}, "
+                f"...) but config.json's {said}: copy config.json from the EXL3 conversion",
+            )
         else:
             report.add("OK", "quantization", f"not EXL3 ({method or 'unquantized'})")
         return
@@ -320,19 +353,31 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
         if prefix in exl3 and f"{prefix}.trellis" not in tensors and f"{prefix}.trellis" not in missing:
             missing.append(f"{prefix}.trellis")
     if missing or shape_diff:
-        report.add("BLOCK", "exl3", f"tensor_storage disagrees with the safetensors: {len(missing)} missing "
-                   f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(shape_diff)} shape differences "
-                   f"({'; '.join(shape_diff[:2])})")
+        report.add(
+            "BLOCK",
+            "exl3",
+            f"tensor_storage disagrees with the safetensors: {len(missing)} missing "
+            f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(shape_diff)} shape differences "
+            f"({'; '.join(shape_diff[:2])})",
+        )
     else:
         report.add("OK", "exl3", f"{len(exl3)} EXL3 modules, every stored tensor present with its shape")
     head_exl3 = any(k.startswith("lm_head.") and k.endswith(".trellis") for k in tensors)
     head_bits = shape.quant.get("head_bits")
     if head_bits is not None and not head_exl3:
-        report.add("BLOCK", "head_bits", f"head_bits = {head_bits} but lm_head is not stored as EXL3: aphrodite "
-                   "treats lm_head as EXL3 whenever head_bits is set and will miss its trellis. Set head_bits to null")
+        report.add(
+            "BLOCK",
+            "head_bits",
+            f"head_bits = {head_bits} but lm_head is not stored as EXL3: aphrodite "
+            "treats lm_head as EXL3 whenever head_bits is set and will miss its trellis. Set head_bits to null",
+        )
     elif head_bits is None and head_exl3:
-        report.add("BLOCK", "head_bits", "lm_head is stored as EXL3 but head_bits is null: aphrodite will load it as a "
-                   "dense layer. Set head_bits to the head's bitrate")
+        report.add(
+            "BLOCK",
+            "head_bits",
+            "lm_head is stored as EXL3 but head_bits is null: aphrodite will load it as a "
+            "dense layer. Set head_bits to the head's bitrate",
+        )
     else:
         report.add("OK", "head_bits", f"head_bits = {head_bits} matches how lm_head is stored")
     gdn = shape.gdn or {}
@@ -349,9 +394,19 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
         fin, fout = trellis["shape"][0] * 16, trellis["shape"][1] * 16
         name = prefix.rsplit(".", 1)[-1]
         # fused GDN projections are split per section (q, k, v[, z]), each across the ranks
-        sections = {"in_proj_qkv": [key_dim, key_dim, value_dim],
-                    "in_proj_qkvz": [key_dim, key_dim, value_dim, value_dim]}.get(name)
-        splits = sections if sections and sum(sections) == fout else [fout] if name in COLUMN else [fin] if name in ROW else []
+        sections = {
+            "in_proj_qkv": [key_dim, key_dim, value_dim],
+            "in_proj_qkvz": [key_dim, key_dim, value_dim, value_dim],
+        }.get(name)
+        splits = (
+            sections
+            if sections and sum(sections) == fout
+            else [fout]
+            if name in COLUMN
+            else [fin]
+            if name in ROW
+            else []
+        )
         if fin % HAD or fout % HAD:
             bad.append(f"{prefix} {fin}x{fout} not 128-aligned")
             continue
@@ -360,8 +415,11 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
                 bad.append(f"{prefix}: {split} / TP {tp} = {split / tp:g} is not a multiple of {HAD}")
                 break
     if bad:
-        report.add("BLOCK", "tp-alignment", f"{len(bad)} EXL3 dimension(s) cut a 128-wide Hadamard block at TP={tp}: "
-                   + "; ".join(bad[:3]))
+        report.add(
+            "BLOCK",
+            "tp-alignment",
+            f"{len(bad)} EXL3 dimension(s) cut a 128-wide Hadamard block at TP={tp}: " + "; ".join(bad[:3]),
+        )
     else:
         report.add("OK", "tp-alignment", f"every EXL3 dimension splits into 128-multiples at TP={tp}")
 
@@ -377,33 +435,53 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     return "bfloat16", f"config.json dtype {declared or 'not set'} (auto: bfloat16)"
 
 
-def check_compiled_mode(report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto",
-                        p4_status: str | None = None) -> None:
+def check_compiled_mode(
+    report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto", p4_status: str | None = None
+) -> None:
     """The default compiled mode crashes on EXL3 Qwen3.5 GDN models only with float16 activations
     (an Inductor rewrite meets the bare cat EXL3's apply leaves when no cast follows; the overlay's P4
     removes it): OK for bfloat16, and for float16 where P4 runs or upstream fixed it; WARN otherwise.
     ``p4_status``: P4's status in this environment (None: the overlay could not be evaluated)."""
     shape = config if isinstance(config, Shape) else parse_config(config)[0]
-    if shape.quant.get("quant_method") != "exl3" or not shape.linear_layers or not (shape.arch or "").startswith("Qwen3_5"):
+    if (
+        shape.quant.get("quant_method") != "exl3"
+        or not shape.linear_layers
+        or not (shape.arch or "").startswith("Qwen3_5")
+    ):
         return
     act, source = activation_dtype(shape, dtype)
     if act != "float16":
-        report.add("OK", "compiled-mode", f"{act} activations ({source}): the default compiled mode works "
-                   f"(measured on aphrodite 0.21.0 with and without LoRA, {COMPILED_CRASH_DOC})")
+        report.add(
+            "OK",
+            "compiled-mode",
+            f"{act} activations ({source}): the default compiled mode works "
+            f"(measured on aphrodite 0.21.0 with and without LoRA, {COMPILED_CRASH_DOC})",
+        )
     elif p4_status in ("APPLIED", "UPSTREAM_FIXED"):
         who = "the overlay's P4 is applied here" if p4_status == "APPLIED" else "the installed aphrodite fixed it"
-        report.add("OK", "compiled-mode", f"float16 activations ({source}): the default compiled mode crashes on EXL3 "
-                   f"GDN models unless the fused projection's outputs are joined behind an op boundary; {who} "
-                   f"({COMPILED_CRASH_DOC})")
+        report.add(
+            "OK",
+            "compiled-mode",
+            f"float16 activations ({source}): the default compiled mode crashes on EXL3 "
+            f"GDN models unless the fused projection's outputs are joined behind an op boundary; {who} "
+            f"({COMPILED_CRASH_DOC})",
+        )
     else:
-        lora = (" --enable-lora avoids it on 0.20/0.21 (separate GDN projections), not on 0.24." if enable_lora else
-                " On 0.20/0.21 --enable-lora avoids it too (separate GDN projections).")
-        report.add("WARN", "compiled-mode", f"float16 activations ({source}) and the overlay's P4 is not active "
-                   f"({p4_status or 'overlay not evaluated'}): aphrodite's default compiled mode crashes on EXL3 GDN "
-                   "models with \"CUDA error: an illegal memory access\" in the first profiling run (Inductor folds "
-                   "the GDN split into the EXL3 concat and changes the strides one graph piece hands the next). "
-                   f"Serve with --dtype bfloat16 (measured), or let the overlay's P4 run, or use --enforce-eager.{lora} "
-                   f"{COMPILED_CRASH_DOC}")
+        lora = (
+            " --enable-lora avoids it on 0.20/0.21 (separate GDN projections), not on 0.24."
+            if enable_lora
+            else " On 0.20/0.21 --enable-lora avoids it too (separate GDN projections)."
+        )
+        report.add(
+            "WARN",
+            "compiled-mode",
+            f"float16 activations ({source}) and the overlay's P4 is not active "
+            f"({p4_status or 'overlay not evaluated'}): aphrodite's default compiled mode crashes on EXL3 GDN "
+            'models with "CUDA error: an illegal memory access" in the first profiling run (Inductor folds '
+            "the GDN split into the EXL3 concat and changes the strides one graph piece hands the next). "
+            f"Serve with --dtype bfloat16 (measured), or let the overlay's P4 run, or use --enforce-eager.{lora} "
+            f"{COMPILED_CRASH_DOC}",
+        )
 
 
 def check_files(report: Report, folder: Path, shape: Shape, language_model_only: bool) -> None:
@@ -413,16 +491,24 @@ def check_files(report: Report, folder: Path, shape: Shape, language_model_only:
     elif shape.arch is not None:
         report.add("WARN", "architecture", f"{arch} is not a hybrid GDN architecture this tool knows")
     if not any(all((folder / f).is_file() for f in group) for group in TOKENIZER_SETS):
-        report.add("BLOCK", "tokenizer", "no tokenizer: copy tokenizer.json (or vocab.json + merges.txt) and "
-                   "tokenizer_config.json from the base model")
+        report.add(
+            "BLOCK",
+            "tokenizer",
+            "no tokenizer: copy tokenizer.json (or vocab.json + merges.txt) and "
+            "tokenizer_config.json from the base model",
+        )
     if arch.endswith("ForConditionalGeneration"):
         missing = [f for f in PROCESSOR_FILES if not (folder / f).is_file()]
         if not (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             missing.append("vocab.json")
         if missing and not language_model_only:
-            report.add("BLOCK", "processor", f"missing {', '.join(missing)}: the engine fails with \"Can't load image "
-                       f"processor\". Copy them from the base model ({shape.name_or_path or 'the original repo'}), "
-                       "or serve text only with --language-model-only")
+            report.add(
+                "BLOCK",
+                "processor",
+                f"missing {', '.join(missing)}: the engine fails with \"Can't load image "
+                f'processor". Copy them from the base model ({shape.name_or_path or "the original repo"}), '
+                "or serve text only with --language-model-only",
+            )
         elif missing:
             report.add("OK", "processor", f"missing {', '.join(missing)}, not needed with --language-model-only")
         else:
@@ -447,15 +533,27 @@ def overlay_status(report: Report) -> dict[str, str]:
     return {r.patch.id: r.status.value for r in results}
 
 
-def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1, tp: int = 1,
-             max_model_len: int | None = None, max_num_seqs: int = 256, kv_dtype: str = "auto",
-             utilization: float = 0.9, language_model_only: bool = False, check_overlay: bool = True,
-             enable_lora: bool = False, dtype: str = "auto") -> Report:
+def diagnose(
+    model_dir: str | Path,
+    gpu_mem: float | None = None,
+    gpus: int = 1,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    kv_dtype: str = "auto",
+    utilization: float = 0.9,
+    language_model_only: bool = False,
+    check_overlay: bool = True,
+    enable_lora: bool = False,
+    dtype: str = "auto",
+) -> Report:
     """Every check on the folder, each problem one finding (a broken input never stops the others)."""
     folder = Path(model_dir)
     report = Report(str(folder))
     if not folder.is_dir():
-        what = "is a file, not a folder: give the folder that holds config.json" if folder.exists() else "does not exist"
+        what = (
+            "is a file, not a folder: give the folder that holds config.json" if folder.exists() else "does not exist"
+        )
         report.add("BLOCK", "config", f"{folder} {what}")
         return report
     try:
@@ -477,13 +575,37 @@ def diagnose(model_dir: str | Path, gpu_mem: float | None = None, gpus: int = 1,
         statuses = overlay_status(report)
         if config is not None:
             check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
-    report.plan = memory_plan(report, folder, shape, tensors, gpu_mem, gpus, tp, max_model_len, max_num_seqs,
-                              kv_dtype, utilization, language_model_only)
+    report.plan = memory_plan(
+        report,
+        folder,
+        shape,
+        tensors,
+        gpu_mem,
+        gpus,
+        tp,
+        max_model_len,
+        max_num_seqs,
+        kv_dtype,
+        utilization,
+        language_model_only,
+    )
     return report
 
 
-def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_mem, gpus, tp, max_model_len,
-                max_num_seqs, kv_dtype, utilization, language_model_only) -> dict:
+def memory_plan(
+    report: Report,
+    folder: Path,
+    shape: Shape,
+    tensors: dict,
+    gpu_mem,
+    gpus,
+    tp,
+    max_model_len,
+    max_num_seqs,
+    kv_dtype,
+    utilization,
+    language_model_only,
+) -> dict:
     """The plan's terms, each with its formula; empty when config.json lacks what a term needs."""
     if not (shape.kv_ready and shape.state_ready):
         if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
@@ -493,15 +615,23 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
     recurrent, conv, state_formula = state_bytes_per_sequence(shape)
     per_seq_state = recurrent + conv
     weights = sum(t["bytes"] for t in tensors.values())
-    exl3_weights = sum(t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1"))
+    exl3_weights = sum(
+        t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1")
+    )
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
     img_tokens, img_formula = image_tokens(report, folder, shape, language_model_only)
     plan = {
-        "kv_bytes_per_token": kv_tok, "kv_formula": kv_formula,
-        "recurrent_state_bytes_per_sequence": recurrent, "conv_state_bytes_per_sequence": conv,
-        "state_bytes_per_sequence": per_seq_state, "state_formula": state_formula,
-        "weight_bytes": weights, "exl3_weight_bytes": exl3_weights, "vision_weight_bytes": vision_weights,
-        "image_tokens_per_image": img_tokens, "image_formula": img_formula,
+        "kv_bytes_per_token": kv_tok,
+        "kv_formula": kv_formula,
+        "recurrent_state_bytes_per_sequence": recurrent,
+        "conv_state_bytes_per_sequence": conv,
+        "state_bytes_per_sequence": per_seq_state,
+        "state_formula": state_formula,
+        "weight_bytes": weights,
+        "exl3_weight_bytes": exl3_weights,
+        "vision_weight_bytes": vision_weights,
+        "image_tokens_per_image": img_tokens,
+        "image_formula": img_formula,
     }
     if gpu_mem:
         used_weights = weights - (vision_weights if language_model_only else 0)
@@ -511,23 +641,39 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         context = max_model_len or shape.max_position or 4096
         per_seq = context * kv_tok + per_seq_state
         max_seqs = max(0, int(pool // per_seq)) if pool > 0 and per_seq > 0 else 0
-        plan.update({
-            "gpu_budget_bytes": int(budget), "image_reservation_bytes": image_reserve, "kv_pool_bytes": int(pool),
-            "context": context, "bytes_per_sequence_at_context": per_seq,
-            "max_concurrency_at_context": min(max_seqs, max_num_seqs), "replicas": max(1, gpus // tp),
-            "pool_formula": (f"{gpu_mem:g} GiB x {utilization:g} x TP {tp} - weights {used_weights / GIB:.2f} GiB "
-                             f"- image reservation {image_reserve / GIB:.2f} GiB"),
-            "concurrency_formula": f"pool / ({context:,} tokens x {kv_tok:,} B + {per_seq_state:,} B state)",
-        })
+        plan.update(
+            {
+                "gpu_budget_bytes": int(budget),
+                "image_reservation_bytes": image_reserve,
+                "kv_pool_bytes": int(pool),
+                "context": context,
+                "bytes_per_sequence_at_context": per_seq,
+                "max_concurrency_at_context": min(max_seqs, max_num_seqs),
+                "replicas": max(1, gpus // tp),
+                "pool_formula": (
+                    f"{gpu_mem:g} GiB x {utilization:g} x TP {tp} - weights {used_weights / GIB:.2f} GiB "
+                    f"- image reservation {image_reserve / GIB:.2f} GiB"
+                ),
+                "concurrency_formula": f"pool / ({context:,} tokens x {kv_tok:,} B + {per_seq_state:,} B state)",
+            }
+        )
         if pool <= 0:
             report.add("BLOCK", "memory", f"weights and the image reservation do not fit in {gpu_mem:g} GiB x {tp}")
         elif max_seqs < 1:
             report.add("BLOCK", "memory", f"not one sequence of {context:,} tokens fits in the KV pool")
         elif image_reserve > 0.25 * pool:
-            report.add("WARN", "memory", f"the default image budget reserves {image_reserve / GIB:.2f} GiB of KV "
-                       f"({img_formula}); lower size.longest_edge in preprocessor_config.json or serve text only")
+            report.add(
+                "WARN",
+                "memory",
+                f"the default image budget reserves {image_reserve / GIB:.2f} GiB of KV "
+                f"({img_formula}); lower size.longest_edge in preprocessor_config.json or serve text only",
+            )
         else:
-            report.add("OK", "memory", f"KV pool {pool / GIB:.2f} GiB: {min(max_seqs, max_num_seqs)} sequences of {context:,} tokens")
+            report.add(
+                "OK",
+                "memory",
+                f"KV pool {pool / GIB:.2f} GiB: {min(max_seqs, max_num_seqs)} sequences of {context:,} tokens",
+            )
     return plan
 
 
@@ -539,17 +685,28 @@ def render(report: Report) -> str:
         lines.append("memory plan:")
         lines.append(f"  KV per token        {p['kv_bytes_per_token'] / 1024:,.1f} KiB   = {p['kv_formula']}")
         lines.append(f"  state per sequence  {p['state_bytes_per_sequence'] / MIB:,.2f} MiB   = {p['state_formula']}")
-        lines.append(f"  weights             {p['weight_bytes'] / GIB:,.3f} GiB (EXL3 {p['exl3_weight_bytes'] / GIB:,.3f} GiB, "
-                     f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB)")
+        lines.append(
+            f"  weights             {p['weight_bytes'] / GIB:,.3f} GiB (EXL3 {p['exl3_weight_bytes'] / GIB:,.3f} GiB, "
+            f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB)"
+        )
         lines.append(f"  image tokens        {p['image_formula']}")
         if "kv_pool_bytes" in p:
             lines.append(f"  KV pool             {p['kv_pool_bytes'] / GIB:,.2f} GiB = {p['pool_formula']}")
-            lines.append(f"  max concurrency     {p['max_concurrency_at_context']} at {p['context']:,} tokens = "
-                         f"{p['concurrency_formula']} (capped by --max-num-seqs)")
+            lines.append(
+                f"  max concurrency     {p['max_concurrency_at_context']} at {p['context']:,} tokens = "
+                f"{p['concurrency_formula']} (capped by --max-num-seqs)"
+            )
     lines.append({0: "result: ok", 1: "result: warnings", 2: "result: blocking problems"}[report.exit_code])
     return "\n".join(lines)
 
 
 def as_json(report: Report) -> str:
-    return json.dumps({"model": report.model, "exit_code": report.exit_code,
-                       "findings": [f.__dict__ for f in report.findings], "plan": report.plan}, indent=2)
+    return json.dumps(
+        {
+            "model": report.model,
+            "exit_code": report.exit_code,
+            "findings": [f.__dict__ for f in report.findings],
+            "plan": report.plan,
+        },
+        indent=2,
+    )

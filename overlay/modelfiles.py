@@ -20,8 +20,24 @@ from typing import Any
 MAX_JSON_BYTES = 64 << 20  # tokenizer.json of a 250k vocabulary is ~20 MB; configs are KBs
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers too
 # safetensors dtype -> bytes per element (the format's own list)
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SAFETENSORS_DTYPES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class Problem(Exception):
@@ -29,8 +45,15 @@ class Problem(Exception):
 
 
 def _kind(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def describe(value: Any) -> str:
@@ -97,13 +120,19 @@ def read_safetensors_header(path: Path) -> dict[str, Tensor]:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise Problem(f"{name} is {size} bytes: truncated (a safetensors file starts with an 8-byte header length)")
+                raise Problem(
+                    f"{name} is {size} bytes: truncated (a safetensors file starts with an 8-byte header length)"
+                )
             (length,) = struct.unpack("<Q", head)
             if length > size - 8:
-                raise Problem(f"{name}: its header claims {length:,} bytes but the file holds {size - 8:,} after the length "
-                              "field: truncated, or not a safetensors file")
+                raise Problem(
+                    f"{name}: its header claims {length:,} bytes but the file holds {size - 8:,} after the length "
+                    "field: truncated, or not a safetensors file"
+                )
             if length > MAX_HEADER_BYTES:
-                raise Problem(f"{name}: a {length:,}-byte header is more than safetensors allows ({MAX_HEADER_BYTES:,})")
+                raise Problem(
+                    f"{name}: a {length:,}-byte header is more than safetensors allows ({MAX_HEADER_BYTES:,})"
+                )
             raw = f.read(length)
     except OSError as exc:
         raise Problem(f"{name} cannot be read: {exc.strerror or exc}") from None
@@ -126,8 +155,11 @@ def read_safetensors_header(path: Path) -> dict[str, Tensor]:
         tensors[key] = Tensor(info["dtype"], list(info["shape"]), end - start, name)
     if bad:
         past = sum("past the end" in b for b in bad)
-        lead = (f"{past} of {len(header)} tensors lie past the end of the file (truncated at {size:,} bytes?); "
-                if past else f"{len(bad)} tensor entries are invalid; ")
+        lead = (
+            f"{past} of {len(header)} tensors lie past the end of the file (truncated at {size:,} bytes?); "
+            if past
+            else f"{len(bad)} tensor entries are invalid; "
+        )
         raise Problem(f"{name}: {lead}first: {bad[0]}")
     return tensors
 
@@ -140,8 +172,12 @@ def _tensor_problem(info: Any, data: int) -> str | None:
         return f"has dtype {describe(dtype)}, not a safetensors dtype"
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         return f"has shape {describe(shape)}, not a list of sizes"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(is_int(o) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
         return f"has data_offsets {describe(offsets)}, not [start, end]"
     if offsets[1] > data:
         return f"ends at byte {offsets[1]:,} of the data, past the end of the file ({data:,} bytes of data)"

@@ -31,8 +31,9 @@ import inspect
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # A child of aphrodite's logger, so the lines reach the handler aphrodite configures in every
 # process it starts; without aphrodite, Python's last-resort handler still prints WARNINGs.
@@ -67,9 +68,11 @@ def classify_import_error(module: str, exc: ImportError) -> Exception:
     if missing and missing != "aphrodite" and not missing.startswith("aphrodite."):
         package = missing.split(".")[0]
         what = "is not installed" if isinstance(exc, ModuleNotFoundError) else f"does not provide what it needs ({exc})"
-        return BrokenInstall(f"aphrodite's {module} cannot be imported: the package {package!r} it needs {what}. The "
-                             f"aphrodite install is incomplete: pip install {package} (or reinstall aphrodite-engine "
-                             "with its dependencies)")
+        return BrokenInstall(
+            f"aphrodite's {module} cannot be imported: the package {package!r} it needs {what}. The "
+            f"aphrodite install is incomplete: pip install {package} (or reinstall aphrodite-engine "
+            "with its dependencies)"
+        )
     return Drift(f"cannot import {module}: {exc}")
 
 
@@ -235,7 +238,9 @@ class Registry:
             except (TypeError, ValueError) as exc:
                 raise Drift(f"{target.key} has no readable signature: {exc}") from exc
             if params != target.params:
-                raise Drift(f"{target.key} takes ({', '.join(params)}), the patch was written for ({', '.join(target.params)})")
+                raise Drift(
+                    f"{target.key} takes ({', '.join(params)}), the patch was written for ({', '.join(target.params)})"
+                )
             if isinstance(item.raw, staticmethod) != ("." in target.qualname and "self" not in params):
                 raise Drift(f"{target.key} changed kind: now a {type(item.raw).__name__}")
 
@@ -283,7 +288,9 @@ class Registry:
         except Exception as exc:
             return Result(patch, Status.DRIFTED, f"probe raised {type(exc).__name__}: {exc}")
         if not has_bug:
-            return Result(patch, Status.UPSTREAM_FIXED, "the installed code already behaves correctly; nothing replaced")
+            return Result(
+                patch, Status.UPSTREAM_FIXED, "the installed code already behaves correctly; nothing replaced"
+            )
         try:
             self._check_shape(live, patch)
         except Drift as exc:

@@ -31,5 +31,3 @@ def aphrodite_copy(tmp_path):
     for info in site.glob("aphrodite_engine-*.dist-info"):
         shutil.copytree(info, dest / info.name)
     return dest
-
-

@@ -27,13 +27,21 @@ HAS_UPSTREAM_BUGS = APHRODITE_VERSION in ("0.20.0", "0.21.0")
 
 _NO_APHRODITE = "aphrodite-engine not importable in this run (ci/test.sh runs each version)"
 needs_aphrodite = pytest.mark.skipif(not HAS_APHRODITE, reason=_NO_APHRODITE)
-needs_buggy = pytest.mark.skipif(not HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
-                                 f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)")
+needs_buggy = pytest.mark.skipif(
+    not HAS_UPSTREAM_BUGS,
+    reason=_NO_APHRODITE
+    if not HAS_APHRODITE
+    else f"aphrodite {APHRODITE_VERSION} does not carry bugs 1/2 (only 0.20.0, 0.21.0 do)",
+)
 # The per-version trees hold no compiled extensions, so P3 (which reads the kernel library) has
 # nothing to patch there; test_p3_gemm_cache.py gives a copy the release's real library.
 NO_KERNELS = "NOT_APPLICABLE"
-needs_fixed = pytest.mark.skipif(not HAS_APHRODITE or HAS_UPSTREAM_BUGS, reason=_NO_APHRODITE if not HAS_APHRODITE else
-                                 f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes")
+needs_fixed = pytest.mark.skipif(
+    not HAS_APHRODITE or HAS_UPSTREAM_BUGS,
+    reason=_NO_APHRODITE
+    if not HAS_APHRODITE
+    else f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes",
+)
 
 
 def aphrodite_site() -> Path:
@@ -44,7 +52,9 @@ def aphrodite_site() -> Path:
 
 
 def subprocess_env(pythonpath: Path | str | None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYBRID_EXL3_FIXES_DISABLE", "APHRODITE_PLUGINS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYBRID_EXL3_FIXES_DISABLE", "APHRODITE_PLUGINS")
+    }
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     env.update(extra)
@@ -56,12 +66,17 @@ def run_status(pythonpath: Path | str | None, **extra: str) -> tuple[int, dict]:
     must be the JSON document alone (aphrodite's log lines go to stderr), as a script piping it expects."""
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_exl3_fixes.cli", "status", "--json"],
-        env=subprocess_env(pythonpath, **extra), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(pythonpath, **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise AssertionError(f"stdout is not one JSON document (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}") from None
+        raise AssertionError(
+            f"stdout is not one JSON document (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        ) from None
 
 
 def by_id(report: dict) -> dict[str, dict]:

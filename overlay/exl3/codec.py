@@ -28,7 +28,7 @@ Format (exllamav3 1.6.5 as read by aphrodite 0.21; see the project's FACTS.md):
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -54,7 +54,7 @@ def marker_tensors(codebook: str) -> dict[str, torch.Tensor]:
     return {codebook: torch.tensor(MARKERS[codebook], dtype=torch.int32)} if codebook in MARKERS else {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def tensor_core_perm() -> torch.Tensor:
     """perm[t] = row-major tile element that trellis position t decodes into."""
     perm = [0] * 256
@@ -74,7 +74,7 @@ def _f16(bits: torch.Tensor) -> torch.Tensor:
     return (low - ((low & 0x8000) << 1)).to(torch.int16).view(torch.float16)
 
 
-@lru_cache(maxsize=None)
+@cache
 def codebook_lut(codebook: str) -> torch.Tensor:
     """fp16 value of each of the 65536 states."""
     s = torch.arange(65536, dtype=torch.int64)
@@ -99,6 +99,7 @@ def codebook_of(tensors: dict[str, torch.Tensor]) -> str:
 
 
 # -- bitstreams ----------------------------------------------------------------------------
+
 
 def _swap_halves(words: torch.Tensor) -> torch.Tensor:
     """int16 words in storage order <-> stream order (pairs swapped: uint32 words read MSB-first)."""
@@ -155,6 +156,7 @@ def trellis_to_symbols(trellis: torch.Tensor, K: int) -> torch.Tensor:
 
 # -- tiles and matrices --------------------------------------------------------------------
 
+
 def decode_tiles(trellis: torch.Tensor, K: int, codebook: str, max_chunk_bytes: int = 1 << 28) -> torch.Tensor:
     """(I/16, O/16, 16*K) -> W_rot (I, O) fp16, before the Hadamard transforms and scales.
 
@@ -170,11 +172,11 @@ def decode_tiles(trellis: torch.Tensor, K: int, codebook: str, max_chunk_bytes: 
         values = lut[states(trellis[a:b], K)]  # (rows, to, 256) in position order
         tiles = torch.empty_like(values)
         tiles[..., perm] = values
-        out[a * 16:b * 16] = tiles.view(b - a, to, 16, 16).permute(0, 2, 1, 3).reshape((b - a) * 16, to * 16)
+        out[a * 16 : b * 16] = tiles.view(b - a, to, 16, 16).permute(0, 2, 1, 3).reshape((b - a) * 16, to * 16)
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def sylvester(n: int = HAD) -> torch.Tensor:
     """Sylvester Hadamard matrix of order n (a power of two), entries +-1, float64."""
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -193,8 +195,9 @@ def hadamard_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(-1, dim)
 
 
-def dense_weight(tensors: dict[str, torch.Tensor], K: int | None = None,
-                 device: str | torch.device | None = None) -> torch.Tensor:
+def dense_weight(
+    tensors: dict[str, torch.Tensor], K: int | None = None, device: str | torch.device | None = None
+) -> torch.Tensor:
     """The exact dense ``W`` (I x O, float32) of one EXL3 linear: y = x @ W, computed on ``device``
     (default: where the tensors are), returned there."""
     if device is not None:
@@ -207,9 +210,15 @@ def dense_weight(tensors: dict[str, torch.Tensor], K: int | None = None,
     return w.to(torch.float32)
 
 
-def random_exl3_linear(in_features: int, out_features: int, K: int, codebook: str,
-                       generator: torch.Generator, scale: float = 0.02,
-                       device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+def random_exl3_linear(
+    in_features: int,
+    out_features: int,
+    K: int,
+    codebook: str,
+    generator: torch.Generator,
+    scale: float = 0.02,
+    device: str | torch.device | None = None,
+) -> dict[str, torch.Tensor]:
     """A valid EXL3 linear from random symbols; ``suh``/``svh`` are random signs times sqrt(scale)
     so the dense weights have a standard deviation of about ``scale``. The symbols come from
     ``generator`` (on the CPU) whatever ``device`` packs them, so the result does not depend on it;

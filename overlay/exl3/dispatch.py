@@ -15,7 +15,9 @@ has the listing and the commands):
   takes the kernel for the caller's codebook (``get_gemm_kernel_ptr(K, shape, c_fp32, cb)``).
 * ``exl3_mgemm`` (fused gate/up and k/v at <= 32 rows) calls ``select_exl3_mgemm_kernel``,
   which has no cache and takes the codebook: unaffected.
-* 0.24.1 replaced the cache with an autotuner keyed by
+* 0.22.0 (``_C_fork.abi3.so``) and 0.23.0 (``_C_stable_libtorch.abi3.so``) still have the
+  codebook-blind ``select_exl3_gemm_mgemm_kernel_new``; 0.24.0 replaced the cache with an
+  autotuner keyed by
   ``gemm_autotune_hash(size_m, size_k, size_n, K, c_fp32, device, cc, max_num_sms, cb)``.
 """
 
@@ -30,8 +32,8 @@ from pathlib import Path
 # exl3_reconstruct + exl3_hgemm, which is right for every codebook.
 SMALL_BATCH_ROWS = 32
 
-# Extension modules that may hold the EXL3 kernels (0.20/0.21: _C; 0.24: _C_stable_libtorch).
-KERNEL_MODULES = ("aphrodite._C", "aphrodite._C_stable_libtorch")
+# Extension modules that may hold the EXL3 kernels (0.20/0.21: _C; 0.22: _C_fork; 0.23+: _C_stable_libtorch).
+KERNEL_MODULES = ("aphrodite._C", "aphrodite._C_fork", "aphrodite._C_stable_libtorch")
 CODEBOOK_BLIND = "codebook-blind"
 CODEBOOK_KEYED = "codebook-keyed"
 UNKNOWN_DISPATCH = "unknown-dispatch"
@@ -58,7 +60,7 @@ def dynamic_strings(path: str | Path) -> bytes:
         header = f.read(64)
         if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
             raise KernelLibraryError(f"{path} is not a 64-bit little-endian ELF file")
-        shoff, = struct.unpack_from("<Q", header, 0x28)
+        (shoff,) = struct.unpack_from("<Q", header, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
         f.seek(shoff)
         table = f.read(shentsize * shnum)
@@ -101,15 +103,21 @@ def classify_build(libraries: list[Path]) -> tuple[str | None, str]:
     for lib in libraries:
         verdict = classify_library(lib)
         if verdict in (CODEBOOK_BLIND, CODEBOOK_KEYED):
-            return verdict, f"{lib.name} defines {(BLIND_SYMBOL if verdict == CODEBOOK_BLIND else KEYED_SYMBOL).decode()}"
+            return (
+                verdict,
+                f"{lib.name} defines {(BLIND_SYMBOL if verdict == CODEBOOK_BLIND else KEYED_SYMBOL).decode()}",
+            )
         if verdict == UNKNOWN_DISPATCH:
-            return verdict, (f"{lib.name} has EXL3 GEMM code but neither {BLIND_SYMBOL.decode()} (0.20/0.21) "
-                             f"nor {KEYED_SYMBOL.decode()} (0.24)")
+            return verdict, (
+                f"{lib.name} has EXL3 GEMM code but neither {BLIND_SYMBOL.decode()} (0.20/0.21) "
+                f"nor {KEYED_SYMBOL.decode()} (0.24)"
+            )
     names = ", ".join(lib.name for lib in libraries) or "none found"
     return None, f"no EXL3 GEMM in the compiled extensions ({names})"
 
 
 # -- choosing a forced launch --------------------------------------------------------------------
+
 
 def compute_class(major: int, minor: int) -> str:
     """exllamav3's device classes (exl3_devctx.cu): old/ampere, ada (8.9), hopper (9.x),
@@ -234,9 +242,12 @@ def read_probe(errors: dict[str, float]) -> ProbeVerdict:
     reference, then ``forced_<codebook>`` for each codebook through the uncached path)."""
     detail = ", ".join(f"{k}={v:.3g}" for k, v in errors.items())
     forced_ok = all(v < SAME for k, v in errors.items() if k.startswith("forced_")) and any(
-        k.startswith("forced_") for k in errors)
+        k.startswith("forced_") for k in errors
+    )
     if errors["first"] >= SAME:
-        return ProbeVerdict(None, forced_ok, "the first small-batch GEMM already disagrees with the reconstruct path: " + detail)
+        return ProbeVerdict(
+            None, forced_ok, "the first small-batch GEMM already disagrees with the reconstruct path: " + detail
+        )
     if errors["second"] < SAME:
         return ProbeVerdict(False, forced_ok, detail)
     if errors["second"] > DIFFERENT and errors["second_vs_first"] < SAME:

@@ -47,14 +47,38 @@ from pathlib import Path
 from . import codec, splits_into_blocks
 
 EXL3_SUFFIXES = (
-    "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.out_proj",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
 )
-LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-                "gate_proj", "up_proj", "down_proj")
-SPECIAL_TOKENS = {"<|image_pad|>": 500, "<|video_pad|>": 501, "<|vision_start|>": 502, "<|vision_end|>": 503,
-                  "<|endoftext|>": 504, "<|im_start|>": 505, "<|im_end|>": 506}
+LORA_TARGETS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+SPECIAL_TOKENS = {
+    "<|image_pad|>": 500,
+    "<|video_pad|>": 501,
+    "<|vision_start|>": 502,
+    "<|vision_end|>": 503,
+    "<|endoftext|>": 504,
+    "<|im_start|>": 505,
+    "<|im_end|>": 506,
+}
 # Added (not special) tokens, as Qwen3-family tokenizers have them: the template writes them and a
 # reasoning parser reads them back from the detokenized text.
 THINK_TOKENS = {"<think>": 507, "</think>": 508}
@@ -87,14 +111,24 @@ class TinySpec:
     dtype: str = "bfloat16"  # the config's dtype, as exllamav3 keeps the source model's (DTYPES)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "TinySpec":
+    def preset(cls, name: str, **overrides) -> TinySpec:
         """Named shapes. ``qwen3.6-27b``: the Qwen3.5/3.6-27B layer dimensions (hidden 5120,
         intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
         4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width."""
         presets = {
             "tiny": {},
-            "qwen3.6-27b": dict(hidden=5120, intermediate=17408, vocab=32768, heads=24, kv_heads=4, head_dim=256,
-                                gdn_key_heads=16, gdn_value_heads=48, gdn_head_dim=128, max_position=32768),
+            "qwen3.6-27b": dict(
+                hidden=5120,
+                intermediate=17408,
+                vocab=32768,
+                heads=24,
+                kv_heads=4,
+                head_dim=256,
+                gdn_key_heads=16,
+                gdn_value_heads=48,
+                gdn_head_dim=128,
+                max_position=32768,
+            ),
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
@@ -108,7 +142,9 @@ def _check(spec: TinySpec) -> None:
     for name in ("bits", "seed", "tp", "lora_rank", "max_position", "hidden", "intermediate", "vocab"):
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "seed" else 1):
-            raise ValueError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}")
+            raise ValueError(
+                f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}"
+            )
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
@@ -130,7 +166,8 @@ def _check(spec: TinySpec) -> None:
         if not splits_into_blocks(size, spec.tp):
             raise ValueError(
                 f"{name} = {size} is not a multiple of {codec.HAD} x TP {spec.tp} = {codec.HAD * spec.tp}: a "
-                f"tensor-parallel split would cut a {codec.HAD}-wide Hadamard block")
+                f"tensor-parallel split would cut a {codec.HAD}-wide Hadamard block"
+            )
 
 
 def hf_config(spec: TinySpec) -> dict:
@@ -139,31 +176,65 @@ def hf_config(spec: TinySpec) -> dict:
     # mrope: sum(mrope_section) == head_dim * partial_rotary_factor / 2 (256 -> [11, 11, 10])
     mrope = [half_rot // 3 + (i < half_rot % 3) for i in range(3)]
     text = {
-        "model_type": "qwen3_5_text", "vocab_size": spec.vocab, "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate, "num_hidden_layers": len(spec.layer_types),
-        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
-        "layer_types": list(spec.layer_types), "linear_num_key_heads": spec.gdn_key_heads,
-        "linear_num_value_heads": spec.gdn_value_heads, "linear_key_head_dim": spec.gdn_head_dim,
-        "linear_value_head_dim": spec.gdn_head_dim, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
-        "max_position_embeddings": spec.max_position, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+        "model_type": "qwen3_5_text",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": len(spec.layer_types),
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "layer_types": list(spec.layer_types),
+        "linear_num_key_heads": spec.gdn_key_heads,
+        "linear_num_value_heads": spec.gdn_value_heads,
+        "linear_key_head_dim": spec.gdn_head_dim,
+        "linear_value_head_dim": spec.gdn_head_dim,
+        "linear_conv_kernel_dim": 4,
+        "attn_output_gate": True,
+        "max_position_embeddings": spec.max_position,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
         "partial_rotary_factor": rotary,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
-                            "mrope_section": mrope, "mrope_interleaved": True},
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "dtype": spec.dtype,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": rotary,
+            "mrope_section": mrope,
+            "mrope_interleaved": True,
+        },
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
+        "dtype": spec.dtype,
     }
     # deepstack_visual_indexes and hidden_act: exllamav3's Qwen3.5 config reader requires them
     # (read_qwen3_vl_vision_config, no default), as the published Qwen3.5 configs carry them.
-    vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128, "intermediate_size": 256,
-              "num_heads": 2, "out_hidden_size": spec.hidden, "num_position_embeddings": 64, "patch_size": 16,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
-              "deepstack_visual_indexes": [], "hidden_act": "gelu_pytorch_tanh"}
+    vision = {
+        "model_type": "qwen3_5_vision",
+        "depth": 1,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_heads": 2,
+        "out_hidden_size": spec.hidden,
+        "num_position_embeddings": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+        "deepstack_visual_indexes": [],
+        "hidden_act": "gelu_pytorch_tanh",
+    }
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text, "vision_config": vision,
-        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"], "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
+        "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
         "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
         "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"], "tie_word_embeddings": False, "dtype": spec.dtype,
+        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "dtype": spec.dtype,
     }
 
 
@@ -174,20 +245,30 @@ def _linear_shapes(spec: TinySpec) -> dict[str, tuple[int, int]]:
     k_gdn = spec.gdn_key_heads * spec.gdn_head_dim
     v_gdn = spec.gdn_value_heads * spec.gdn_head_dim
     return {
-        "linear_attn.in_proj_qkv": (spec.hidden, 2 * k_gdn + v_gdn), "linear_attn.in_proj_z": (spec.hidden, v_gdn),
+        "linear_attn.in_proj_qkv": (spec.hidden, 2 * k_gdn + v_gdn),
+        "linear_attn.in_proj_z": (spec.hidden, v_gdn),
         "linear_attn.out_proj": (v_gdn, spec.hidden),
-        "self_attn.q_proj": (spec.hidden, q), "self_attn.k_proj": (spec.hidden, kv),
-        "self_attn.v_proj": (spec.hidden, kv), "self_attn.o_proj": (spec.heads * spec.head_dim, spec.hidden),
-        "mlp.gate_proj": (spec.hidden, spec.intermediate), "mlp.up_proj": (spec.hidden, spec.intermediate),
+        "self_attn.q_proj": (spec.hidden, q),
+        "self_attn.k_proj": (spec.hidden, kv),
+        "self_attn.v_proj": (spec.hidden, kv),
+        "self_attn.o_proj": (spec.heads * spec.head_dim, spec.hidden),
+        "mlp.gate_proj": (spec.hidden, spec.intermediate),
+        "mlp.up_proj": (spec.hidden, spec.intermediate),
         "mlp.down_proj": (spec.intermediate, spec.hidden),
     }
 
 
 # The image processor config a Qwen3.5 checkpoint ships; exllamav3's Qwen3.5 config reader opens it
 # (read_qwen3_vl_pp_config) even for text-only use.
-PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"shortest_edge": 65536,
-                "longest_edge": 16777216}, "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 # The chat template, in the Qwen3 family's ChatML form as Qwen3.5/3.6 checkpoints ship it in
@@ -213,7 +294,8 @@ CHAT_TEMPLATE = r"""{%- macro render(content) -%}
 {%- if system_first -%}{{- render(messages[0].content) + '\n\n' -}}{%- endif -%}
 {{- '# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>' -}}
 {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
-{{- '\n</tools>\n\nFor each call, answer with a JSON object {"name": ..., "arguments": ...} inside <tool_call></tool_call> tags.<|im_end|>\n' -}}
+{{- '\n</tools>\n\nFor each call, answer with a JSON object {"name": ..., "arguments": ...} ' -}}
+{{- 'inside <tool_call></tool_call> tags.<|im_end|>\n' -}}
 {%- elif system_first -%}
 {{- '<|im_start|>system\n' + render(messages[0].content) + '<|im_end|>\n' -}}
 {%- endif -%}
@@ -256,9 +338,14 @@ CHAT_TEMPLATE = r"""{%- macro render(content) -%}
 # generation_config.json as Qwen3-family checkpoints ship it: both end tokens, the family's
 # recommended sampling (aphrodite's `--generation-config auto`, the default, takes these as the
 # server's default sampling parameters).
-GENERATION_CONFIG = {"eos_token_id": [SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]],
-                     "pad_token_id": SPECIAL_TOKENS["<|endoftext|>"], "do_sample": True, "temperature": 0.6,
-                     "top_p": 0.95, "top_k": 20}
+GENERATION_CONFIG = {
+    "eos_token_id": [SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]],
+    "pad_token_id": SPECIAL_TOKENS["<|endoftext|>"],
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "top_k": 20,
+}
 
 
 def _tokenizer_files(dest: Path, vocab_size: int, max_length: int) -> None:
@@ -278,16 +365,25 @@ def _tokenizer_files(dest: Path, vocab_size: int, max_length: int) -> None:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in THINK_TOKENS])
     tok.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "model_max_length": max_length, "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": max_length,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
     (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (dest / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
 
 
-def write_tiny(out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None,
-               dense: bool = True) -> dict:
+def write_tiny(
+    out_dir: str | os.PathLike, spec: TinySpec | None = None, device: str | None = None, dense: bool = True
+) -> dict:
     """Write the checkpoint set; returns the manifest. Writes into a temporary sibling folder and
     renames it into place, so a failure leaves nothing half-written. ``device`` ("cuda"): pack the
     trellises and decode the dense twin there (the 27B-width preset takes ~11 min on two CPU cores);
@@ -350,8 +446,12 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     for name, shape in {"norm1": (h,), "norm2": (h,)}.items():
         state[b + name + ".weight"] = torch.ones(shape, dtype=torch.float16)
         state[b + name + ".bias"] = rnd(*shape)
-    for name, (o, i) in {"attn.qkv": (3 * h, h), "attn.proj": (h, h), "mlp.linear_fc1": (v["intermediate_size"], h),
-                         "mlp.linear_fc2": (h, v["intermediate_size"])}.items():
+    for name, (o, i) in {
+        "attn.qkv": (3 * h, h),
+        "attn.proj": (h, h),
+        "mlp.linear_fc1": (v["intermediate_size"], h),
+        "mlp.linear_fc2": (h, v["intermediate_size"]),
+    }.items():
         state[b + name + ".weight"] = rnd(o, i)
         state[b + name + ".bias"] = rnd(o)
     conv_dim = 2 * spec.gdn_key_heads * spec.gdn_head_dim + spec.gdn_value_heads * spec.gdn_head_dim
@@ -365,9 +465,13 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
             # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu), its
             # gated RMS norm a float32 or bfloat16 weight (norm.cu)
             state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.bfloat16)
-            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(torch.bfloat16)
+            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(
+                torch.bfloat16
+            )
             state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3, dtype=keep)
-            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(torch.bfloat16)
+            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(
+                torch.bfloat16
+            )
             state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
             state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
         else:
@@ -385,8 +489,12 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     storage: dict[str, dict] = {}
     shapes = _linear_shapes(spec)
     codebooks: dict[str, str] = {}
-    projections = [(n, suffix) for n, kind in enumerate(spec.layer_types) for suffix in EXL3_SUFFIXES
-                   if suffix.startswith(("linear_attn." if kind == "linear_attention" else "self_attn.", "mlp."))]
+    projections = [
+        (n, suffix)
+        for n, kind in enumerate(spec.layer_types)
+        for suffix in EXL3_SUFFIXES
+        if suffix.startswith(("linear_attn." if kind == "linear_attention" else "self_attn.", "mlp."))
+    ]
     for index, (n, suffix) in enumerate(progress(projections, "EXL3 projections")):
         prefix = f"model.language_model.layers.{n}.{suffix}"
         cb = spec.codebook_for(index)
@@ -397,8 +505,11 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
             dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
         for name, tensor in tensors.items():
             exl3_state[f"{prefix}.{name}"] = tensor
-        entry = {"stored_tensors": stored_tensor_info(exl3_state, prefix), "quant_format": "exl3",
-                 "bits_per_weight": spec.bits}
+        entry = {
+            "stored_tensors": stored_tensor_info(exl3_state, prefix),
+            "quant_format": "exl3",
+            "bits_per_weight": spec.bits,
+        }
         if cb == "mul1":
             entry["mul1_multiplier"] = codec.MUL1_MULT
         elif cb == "mcg":
@@ -415,8 +526,14 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         d.mkdir()
         _tokenizer_files(d, spec.vocab, spec.max_position)
         (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
-    quant_cfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(spec.bits), "head_bits": None,
-                 "codebook": spec.codebook, "calibration": {"synthetic": True, "seed": spec.seed}}
+    quant_cfg = {
+        "quant_method": "exl3",
+        "version": "1.6.5",
+        "bits": float(spec.bits),
+        "head_bits": None,
+        "codebook": spec.codebook,
+        "calibration": {"synthetic": True, "seed": spec.seed},
+    }
     (exl3_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
     (exl3_dir / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))
     save_file(exl3_state, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -426,10 +543,15 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
 
     adapters = {}
     for a, name in enumerate(spec.adapters):
-        adapters[name] = _write_adapter(tmp / name, spec, shapes, torch, save_file,
-                                        torch.Generator().manual_seed(spec.seed * 1000 + a + 1))
-    manifest = {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
-                "codebooks": codebooks, "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"), "adapters": adapters}
+        adapters[name] = _write_adapter(
+            tmp / name, spec, shapes, torch, save_file, torch.Generator().manual_seed(spec.seed * 1000 + a + 1)
+        )
+    manifest = {
+        "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
+        "codebooks": codebooks,
+        "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"),
+        "adapters": adapters,
+    }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -446,8 +568,11 @@ def progress(items: list, what: str):
 
 def stored_tensor_info(state: dict, prefix: str) -> dict:
     """tensor_storage's ``stored_tensors`` for one module, in exllamav3's form (dtype as ``str(torch dtype)``)."""
-    return {name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
-            for name, t in sorted(state.items()) if name.rsplit(".", 1)[0] == prefix}
+    return {
+        name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+        for name, t in sorted(state.items())
+        if name.rsplit(".", 1)[0] == prefix
+    }
 
 
 def _write_adapter(dest: Path, spec: TinySpec, shapes, torch, save_file, gen) -> list[str]:
@@ -458,16 +583,35 @@ def _write_adapter(dest: Path, spec: TinySpec, shapes, torch, save_file, gen) ->
             module = suffix.split(".")[-1]
             if module not in spec.lora_targets:
                 continue
-            if not (suffix.startswith("mlp.") or suffix.startswith("linear_attn." if kind == "linear_attention" else "self_attn.")):
+            if not (
+                suffix.startswith("mlp.")
+                or suffix.startswith("linear_attn." if kind == "linear_attention" else "self_attn.")
+            ):
                 continue
             key = f"base_model.model.model.language_model.layers.{n}.{suffix}"
-            state[key + ".lora_A.weight"] = (torch.randn(spec.lora_rank, fin, generator=gen) / fin ** 0.5).to(torch.float16)
+            state[key + ".lora_A.weight"] = (torch.randn(spec.lora_rank, fin, generator=gen) / fin**0.5).to(
+                torch.float16
+            )
             state[key + ".lora_B.weight"] = (torch.randn(fout, spec.lora_rank, generator=gen) * 0.05).to(torch.float16)
     save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (dest / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.lora_rank, "lora_alpha": 2 * spec.lora_rank,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "target_modules": list(spec.lora_targets),
-        "base_model_name_or_path": None, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-        "modules_to_save": None,
-    }, indent=2))
+    (dest / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": spec.lora_rank,
+                "lora_alpha": 2 * spec.lora_rank,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "target_modules": list(spec.lora_targets),
+                "base_model_name_or_path": None,
+                "inference_mode": True,
+                "init_lora_weights": True,
+                "use_rslora": False,
+                "modules_to_save": None,
+            },
+            indent=2,
+        )
+    )
     return sorted(state)

@@ -52,9 +52,11 @@ def pytest_sessionfinish(session, exitstatus):
 def record():
     """record(name, **values): kept in RESULTS and written out at once, so a run stopped by the
     device call's time limit still leaves every measurement made so far."""
+
     def put(name, **values):
         RESULTS.setdefault(name, {}).update(values)
         save_results()
+
     return put
 
 
@@ -104,8 +106,10 @@ def reference(tiny, prompt_ids):
         if adapter:
             model = PeftModel.from_pretrained(model, tiny / adapter).eval()
         with torch.no_grad():
-            out[adapter] = [model(input_ids=torch.tensor([ids]).cuda()).logits[0].float().log_softmax(-1).cpu()
-                            for ids in prompt_ids]
+            out[adapter] = [
+                model(input_ids=torch.tensor([ids]).cuda()).logits[0].float().log_softmax(-1).cpu()
+                for ids in prompt_ids
+            ]
         del model
         torch.cuda.empty_cache()
     return out

@@ -67,16 +67,35 @@ def main() -> None:
             y = torch.ops.aphrodite.exl3_linear_one(x, t["trellis"], t["suh"], t["svh"], mcg, mul1)
         elif path in ("gemm_fp32", "forced"):
             y = torch.empty(rows, n, dtype=torch.float32 if path == "gemm_fp32" else torch.float16, device="cuda")
-            shape_idx, sms = dispatch.forced_launch(cc, k, n, K, props.multi_processor_count) if path == "forced" else (-1, 0)
+            shape_idx, sms = (
+                dispatch.forced_launch(cc, k, n, K, props.multi_processor_count) if path == "forced" else (-1, 0)
+            )
             ops.exl3_gemm(x, t["trellis"], y, t["suh"], torch.empty_like(x), t["svh"], shape_idx, mcg, mul1, sms)
         elif path == "mgemm":
             t2, dense2 = tensors_for(k, n, K, seed=1)
             mats = (t, t2)
-            ptrs = {name: torch.tensor([m[name].data_ptr() for m in mats], dtype=torch.long, device="cuda")
-                    for name in ("trellis", "suh", "svh")}
+            ptrs = {
+                name: torch.tensor([m[name].data_ptr() for m in mats], dtype=torch.long, device="cuda")
+                for name in ("trellis", "suh", "svh")
+            }
             c = torch.empty(2, rows, n, dtype=torch.float16, device="cuda")
-            ops.exl3_mgemm(x.view(1, rows, k), ptrs["trellis"], c, ptrs["suh"], torch.empty(2, rows, k, dtype=torch.float16, device="cuda"),
-                           ptrs["svh"], None, None, K, -1, mcg, mul1, -1, -1, 0)
+            ops.exl3_mgemm(
+                x.view(1, rows, k),
+                ptrs["trellis"],
+                c,
+                ptrs["suh"],
+                torch.empty(2, rows, k, dtype=torch.float16, device="cuda"),
+                ptrs["svh"],
+                None,
+                None,
+                K,
+                -1,
+                mcg,
+                mul1,
+                -1,
+                -1,
+                0,
+            )
             second = decoded(c[1], dense2, x, cb)
             y = c[0]
         elif path == "layer":
@@ -95,8 +114,10 @@ def main() -> None:
         if path == "layer":
             entry["routed"] = getattr(layer, "hxf_exl3_routes", {}).get(None)
         out.append(entry)
-    verdicts = {str(k): {"codebook_blind": v.codebook_blind, "forced_ok": v.forced_ok, "detail": v.detail}
-                for k, v in p13.VERDICTS.items()}
+    verdicts = {
+        str(k): {"codebook_blind": v.codebook_blind, "forced_ok": v.forced_ok, "detail": v.detail}
+        for k, v in p13.VERDICTS.items()
+    }
     print("RESULT " + json.dumps({"ok": True, "calls": out, "p3_probe": verdicts}), flush=True)
 
 

@@ -19,11 +19,16 @@ def run_engine(case: dict, workdir: Path, name: str, env_extra: dict | None = No
     env = dict(os.environ)
     env.pop("HYBRID_EXL3_FIXES_DISABLE", None)
     env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(case_path)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_case.py"), str(case_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = proc.stdout + proc.stderr
     (workdir / f"{name}.log").write_text(output)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(lines[-1][7:]) if lines else {"ok": False, "stage": "crash", "error": f"exit {proc.returncode}"}
     result["output"] = output
     return result
@@ -68,7 +73,7 @@ class Reference:
             torch = self.torch
             if adapter is not None:
                 self.model.set_adapter(adapter)
-            with torch.no_grad(), (self.model.disable_adapter() if adapter is None else contextlib.nullcontext()):
+            with torch.no_grad(), self.model.disable_adapter() if adapter is None else contextlib.nullcontext():
                 logits = self.model(input_ids=torch.tensor([ids]).cuda()).logits[0]
             self.cache[key] = logits.float().log_softmax(-1).cpu()
         return self.cache[key]
@@ -84,13 +89,21 @@ def served_completion(choice: dict) -> dict:
     and optionally ``prompt_logprobs``) as token ids and {token id: logprob} per position."""
     lp = choice.get("logprobs") or {}
     generated = []
-    for token, sampled, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+    for token, sampled, top in zip(
+        lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    ):
         entry = {token_id(t): v for t, v in (top or {}).items()}
         entry[token_id(token)] = sampled
         generated.append(entry)
-    prompt = [None if d is None else {int(t): v["logprob"] for t, v in d.items()} for d in choice.get("prompt_logprobs") or []]
-    return {"prompt_ids": choice.get("prompt_token_ids") or [], "ids": choice.get("token_ids") or [],
-            "prompt": prompt, "generated": generated}
+    prompt = [
+        None if d is None else {int(t): v["logprob"] for t, v in d.items()} for d in choice.get("prompt_logprobs") or []
+    ]
+    return {
+        "prompt_ids": choice.get("prompt_token_ids") or [],
+        "ids": choice.get("token_ids") or [],
+        "prompt": prompt,
+        "generated": generated,
+    }
 
 
 def served_chat_logprobs(content: list[dict]) -> list[dict]:
@@ -103,8 +116,14 @@ def served_chat_logprobs(content: list[dict]) -> list[dict]:
     return rows
 
 
-def compare_served(reference: Reference, adapter: str | None, prompt_ids: list[int], ids: list[int],
-                   generated: list[dict], prompt: list | None = None) -> dict:
+def compare_served(
+    reference: Reference,
+    adapter: str | None,
+    prompt_ids: list[int],
+    ids: list[int],
+    generated: list[dict],
+    prompt: list | None = None,
+) -> dict:
     """Served log-probabilities against the reference at every reported entry: the prompt positions
     (``prompt`` as served: None first) and each generated position, scored on the served tokens
     themselves, so a greedy near-tie that picked another token does not count as a difference."""
@@ -123,5 +142,11 @@ def compare_served(reference: Reference, adapter: str | None, prompt_ids: list[i
             diffs[part] = max(diffs[part], max(abs(lp - float(row[t])) for t, lp in entry.items()))
             if part == "generated":
                 argmax += int(max(entry, key=entry.get) == int(row.argmax()))
-    return {"max_abs_dlogprob": max(diffs.values()), "prompt_max": diffs["prompt"], "generated_max": diffs["generated"],
-            "prompt_positions": counts["prompt"], "generated_positions": counts["generated"], "generated_argmax_agree": argmax}
+    return {
+        "max_abs_dlogprob": max(diffs.values()),
+        "prompt_max": diffs["prompt"],
+        "generated_max": diffs["generated"],
+        "prompt_positions": counts["prompt"],
+        "generated_positions": counts["generated"],
+        "generated_argmax_agree": argmax,
+    }

@@ -66,8 +66,9 @@ class Server:
             out.write(" ".join(self.command) + "\n")
             out.flush()
             # its own process group: stop() ends the API server, the engine core and their children
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.started = time.monotonic()
 
     def alive(self) -> bool:

@@ -25,8 +25,10 @@ def calls(codebooks, shapes, path="linear_one", rows=4):
     shapes = shapes if isinstance(shapes, list) else [shapes] * len(codebooks)
     rows = rows if isinstance(rows, list) else [rows] * len(codebooks)
     path = path if isinstance(path, list) else [path] * len(codebooks)
-    return [{"k": s[0], "n": s[1], "K": s[2], "codebook": cb, "rows": r, "path": p}
-            for cb, s, r, p in zip(codebooks, shapes, rows, path)]
+    return [
+        {"k": s[0], "n": s[1], "K": s[2], "codebook": cb, "rows": r, "path": p}
+        for cb, s, r, p in zip(codebooks, shapes, rows, path)
+    ]
 
 
 def predict(sequence, overlay=False):
@@ -45,17 +47,20 @@ def run_case(sequence, workdir, name, overlay=False):
     path = workdir / f"gemm-{name}.json"
     path.write_text(json.dumps({"calls": sequence, "overlay": overlay}))
     env = {k: v for k, v in os.environ.items() if k != "HYBRID_EXL3_FIXES_DISABLE"}
-    proc = subprocess.run([sys.executable, str(HERE / "gemm_case.py"), str(path)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "gemm_case.py"), str(path)], capture_output=True, text=True, timeout=600, env=env
+    )
     (workdir / f"gemm-{name}.log").write_text(proc.stdout + proc.stderr)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][7:])
 
 
 def table(result):
-    return " | ".join(f"{c['codebook']}@{c['k']}x{c['n']}/K{c['K']}/{c['rows']}r/{c['path']} -> {c['decoded_as']}"
-                      for c in result["calls"])
+    return " | ".join(
+        f"{c['codebook']}@{c['k']}x{c['n']}/K{c['K']}/{c['rows']}r/{c['path']} -> {c['decoded_as']}"
+        for c in result["calls"]
+    )
 
 
 ISSUE_ORDERS = [("mcg", "mul1", "3inst", "mcg"), ("mul1", "mcg", "3inst", "mul1"), ("mul1", "mul1", "mcg", "mcg")]
@@ -66,13 +71,17 @@ SCENARIOS = {
     # one shape and K: every later codebook runs the first one's kernel
     "same-key": calls(["mcg", "mul1", "3inst", "mcg", "3inst"], A),
     # the same shape at another K is another key
-    "K-in-key": calls(["mcg", "mul1", "mul1", "mcg"], [(1024, 2048, 3), (1024, 2048, 4), (1024, 2048, 3), (1024, 2048, 4)]),
+    "K-in-key": calls(
+        ["mcg", "mul1", "mul1", "mcg"], [(1024, 2048, 3), (1024, 2048, 4), (1024, 2048, 3), (1024, 2048, 4)]
+    ),
     # another shape at the same K is another key
     "shape-in-key": calls(["mcg", "mul1", "mul1"], [(1024, 2048, 4), (2048, 1024, 4), (1024, 2048, 4)]),
     # rows are not in the key; 33 rows take the reconstruct path
     "rows-not-in-key": calls(["mcg", "mul1", "mul1", "mul1", "mul1"], A, rows=[1, 2, 8, 32, 33]),
     # a float32 output is another key (and is itself codebook-blind)
-    "fp32-in-key": calls(["mcg", "mul1", "3inst", "3inst"], A, path=["linear_one", "gemm_fp32", "gemm_fp32", "linear_one"]),
+    "fp32-in-key": calls(
+        ["mcg", "mul1", "3inst", "3inst"], A, path=["linear_one", "gemm_fp32", "gemm_fp32", "linear_one"]
+    ),
     # the fused gate/up and k/v path has no cache, before or after a cached call
     "mgemm-uncached": calls(["mcg", "mul1", "3inst", "mul1"], A, path=["mgemm", "mgemm", "linear_one", "mgemm"]),
     # the launch P3 uses for a conflicting layer: every codebook right, after the cache is set
@@ -80,7 +89,9 @@ SCENARIOS = {
 }
 
 LAYER_ORDERS = {f"issue-order-{i + 1}": calls(list(o), [A, B, A, B], path="layer") for i, o in enumerate(ISSUE_ORDERS)}
-LAYER_ORDERS["same-key-all-rows"] = calls(["mcg", "mul1", "3inst", "mul1", "3inst"], A, path="layer", rows=[4, 1, 32, 33, 8])
+LAYER_ORDERS["same-key-all-rows"] = calls(
+    ["mcg", "mul1", "3inst", "mul1", "3inst"], A, path="layer", rows=[4, 1, 32, 33, 8]
+)
 
 
 def own_shapes(sequence, j):
@@ -103,7 +114,7 @@ def run_grouped(scenarios, workdir, name, overlay=False, alone=()):
     if shared:
         together = run_case(shared, workdir, f"{name}-together", overlay)
         for key, (first, count, moved) in spans.items():
-            results[key] = {**together, "calls": together["calls"][first:first + count], "sequence": moved}
+            results[key] = {**together, "calls": together["calls"][first : first + count], "sequence": moved}
     for key, sequence in scenarios.items():
         results[key].setdefault("sequence", sequence)
     return results
@@ -119,8 +130,10 @@ def before(workdir):
 
 @pytest.fixture(scope="module")
 def layers(workdir):
-    return {"before": run_grouped(LAYER_ORDERS, workdir, "layers-before"),
-            "after": run_grouped(LAYER_ORDERS, workdir, "layers-after", overlay=True)}
+    return {
+        "before": run_grouped(LAYER_ORDERS, workdir, "layers-before"),
+        "after": run_grouped(LAYER_ORDERS, workdir, "layers-after", overlay=True),
+    }
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -141,8 +154,13 @@ def test_layers_before_and_after(name, layers, record):
     model predicts; with the overlay every layer decodes with its own codebook."""
     before, after = layers["before"][name], layers["after"][name]
     sequence = after["sequence"]
-    record(f"P3 layers: {name}", before=table(before), after=table(after),
-           routed=[c["routed"] for c in after["calls"]], probe=after["p3_probe"])
+    record(
+        f"P3 layers: {name}",
+        before=table(before),
+        after=table(after),
+        routed=[c["routed"] for c in after["calls"]],
+        probe=after["p3_probe"],
+    )
     assert [c["decoded_as"] for c in before["calls"]] == predict(before["sequence"])
     assert [c["decoded_as"] for c in after["calls"]] == [c["codebook"] for c in sequence], table(after)
     assert all(c["rel_err"] < 5e-3 for c in after["calls"]), table(after)
@@ -155,6 +173,7 @@ def test_layers_before_and_after(name, layers, record):
 
 
 # -- end to end -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def tiny_mixed(workdir):
@@ -180,7 +199,7 @@ def mixed_reference(tiny_mixed, prompt_ids):
         for ids in prompt_ids:
             inp = torch.tensor([ids]).cuda()
             logprobs.append(model(input_ids=inp).logits[0].float().log_softmax(-1).cpu())
-            greedy.append(model.generate(input_ids=inp, max_new_tokens=8, do_sample=False)[0, len(ids):].tolist())
+            greedy.append(model.generate(input_ids=inp, max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist())
     del model
     torch.cuda.empty_cache()
     return logprobs, greedy
@@ -194,17 +213,28 @@ def test_mixed_codebook_model_end_to_end(p3, tiny_mixed, prompt_ids, mixed_refer
     logprobs, greedy = mixed_reference
     # One prompt per batch: each prefill stays within the <= 32-row GEMM (three prompts in one
     # batch take the reconstruct path for the prefill, right in any case; decoding is <= 32 rows).
-    case = {"model": str(tiny_mixed / "exl3"), "quantization": "exl3", "enable_lora": False, "prompts": prompt_ids,
-            "loras": [None] * len(prompt_ids), "tp": 1, "batches": [[i] for i in range(len(prompt_ids))]}
+    case = {
+        "model": str(tiny_mixed / "exl3"),
+        "quantization": "exl3",
+        "enable_lora": False,
+        "prompts": prompt_ids,
+        "loras": [None] * len(prompt_ids),
+        "tp": 1,
+        "batches": [[i] for i in range(len(prompt_ids))],
+    }
     result = run_engine(case, workdir, f"mixed-p3-{p3}", {"HYBRID_EXL3_FIXES_DISABLE": "P3"} if p3 == "off" else {})
     assert result["ok"], result.get("error", "") + result["output"][-3000:]
     cmps = [compare(out["prompt_logprobs"], logprobs[out["index"]]) for out in result["outputs"]]
     same_greedy = [out["generated"] == greedy[out["index"]] for out in result["outputs"]]
     worst = max(c["max_abs_dlogprob"] for c in cmps)
     warned = "hybrid-exl3-fixes: P3: EXL3 layers of one shape and bitrate use different codebooks" in result["output"]
-    record(f"P3 end to end, mixed-codebook tiny model, P3 {p3}", max_abs_dlogprob=worst,
-           argmax_agree=f"{sum(c['argmax_agree'] for c in cmps)}/{sum(c['positions'] for c in cmps)}",
-           greedy_equal_dense=f"{sum(same_greedy)}/{len(same_greedy)}", p3_warning=warned)
+    record(
+        f"P3 end to end, mixed-codebook tiny model, P3 {p3}",
+        max_abs_dlogprob=worst,
+        argmax_agree=f"{sum(c['argmax_agree'] for c in cmps)}/{sum(c['positions'] for c in cmps)}",
+        greedy_equal_dense=f"{sum(same_greedy)}/{len(same_greedy)}",
+        p3_warning=warned,
+    )
     if p3 == "on":
         assert worst < TOLERANCE, cmps
         assert all(same_greedy), (result["outputs"], greedy)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from harness import compare, run_engine
@@ -18,10 +17,13 @@ def _gpus() -> int:
 
 
 # TP=2 reaches two workers and splits the fused (0, 1, 2) in_proj_qkv shard across ranks (issue 6).
-TP = pytest.mark.parametrize("tp", [
-    pytest.param(1, id="tp1"),
-    pytest.param(2, id="tp2", marks=pytest.mark.skipif(_gpus() < 2, reason="tensor parallel 2 needs two GPUs")),
-])
+TP = pytest.mark.parametrize(
+    "tp",
+    [
+        pytest.param(1, id="tp1"),
+        pytest.param(2, id="tp2", marks=pytest.mark.skipif(_gpus() < 2, reason="tensor parallel 2 needs two GPUs")),
+    ],
+)
 
 # Stated tolerance for max |d logprob| over the top 20 at every prompt position (FACTS.md measured
 # 0.039 without and 0.072 with an adapter on this kind of model).
@@ -32,9 +34,16 @@ BUG2 = "Unsupported base layer: MergedColumnParallelLinear(in_features=256, outp
 
 
 def lora_case(tiny, prompt_ids, loras, tp, batches=None, max_loras=2):
-    case = {"model": str(tiny / "exl3"), "quantization": "exl3", "enable_lora": True, "prompts": prompt_ids,
-            "loras": loras, "adapters": {"lora-a": str(tiny / "lora-a"), "lora-b": str(tiny / "lora-b")},
-            "max_loras": max_loras, "tp": tp}
+    case = {
+        "model": str(tiny / "exl3"),
+        "quantization": "exl3",
+        "enable_lora": True,
+        "prompts": prompt_ids,
+        "loras": loras,
+        "adapters": {"lora-a": str(tiny / "lora-a"), "lora-b": str(tiny / "lora-b")},
+        "max_loras": max_loras,
+        "tp": tp,
+    }
     if batches:
         case["batches"] = batches
     return case
@@ -42,8 +51,9 @@ def lora_case(tiny, prompt_ids, loras, tp, batches=None, max_loras=2):
 
 @TP
 def test_unpatched_fails_with_upstream_bug1(tp, tiny, prompt_ids, workdir, record):
-    result = run_engine(lora_case(tiny, prompt_ids, [None] * 3, tp), workdir, f"unpatched-tp{tp}",
-                        {"HYBRID_EXL3_FIXES_DISABLE": "1"})
+    result = run_engine(
+        lora_case(tiny, prompt_ids, [None] * 3, tp), workdir, f"unpatched-tp{tp}", {"HYBRID_EXL3_FIXES_DISABLE": "1"}
+    )
     record(f"TP={tp} unpatched (overlay off)", ok=result["ok"], found_bug1=BUG1 in result["output"])
     assert not result["ok"]
     assert BUG1 in result["output"]
@@ -51,8 +61,9 @@ def test_unpatched_fails_with_upstream_bug1(tp, tiny, prompt_ids, workdir, recor
 
 @TP
 def test_only_p1_fails_with_upstream_bug2(tp, tiny, prompt_ids, workdir, record):
-    result = run_engine(lora_case(tiny, prompt_ids, [None] * 3, tp), workdir, f"only-p1-tp{tp}",
-                        {"HYBRID_EXL3_FIXES_DISABLE": "P2,P2b"})
+    result = run_engine(
+        lora_case(tiny, prompt_ids, [None] * 3, tp), workdir, f"only-p1-tp{tp}", {"HYBRID_EXL3_FIXES_DISABLE": "P2,P2b"}
+    )
     bug2 = BUG2.format(1024 // tp, tp)
     record(f"TP={tp} only P1", ok=result["ok"], found_bug2=bug2 in result["output"])
     assert not result["ok"]
@@ -63,8 +74,9 @@ def test_only_p1_fails_with_upstream_bug2(tp, tiny, prompt_ids, workdir, record)
 def test_patched_lora_matches_hf_peft(tp, tiny, prompt_ids, workdir, reference, record):
     # no adapter, adapter A, adapter B in one batch; then A, B, A alternating through one slot
     loras = [None, "lora-a", "lora-b"]
-    result = run_engine(lora_case(tiny, prompt_ids, loras, tp, batches=[[0, 1, 2], [1], [2], [1]]), workdir,
-                        f"patched-lora-tp{tp}")
+    result = run_engine(
+        lora_case(tiny, prompt_ids, loras, tp, batches=[[0, 1, 2], [1], [2], [1]]), workdir, f"patched-lora-tp{tp}"
+    )
     assert result["ok"], result.get("error", "") + result["output"][-3000:]
     summaries = result["output"].count("hybrid-exl3-fixes: applied=5 upstream_fixed=0 drifted=0")
     record(f"TP={tp} patched EXL3 + LoRA", start_s=result["start_s"], overlay_summary_lines=summaries)
@@ -73,8 +85,11 @@ def test_patched_lora_matches_hf_peft(tp, tiny, prompt_ids, workdir, reference, 
         i, lora = out["index"], out["lora"]
         own = compare(out["prompt_logprobs"], reference[lora][i])
         other = compare(out["prompt_logprobs"], reference["lora-b" if lora == "lora-a" else "lora-a"][i])
-        record(f"TP={tp} patched EXL3 + LoRA: request {n} ({lora or 'no adapter'})", **own,
-               max_abs_dlogprob_vs_other_adapter=other["max_abs_dlogprob"])
+        record(
+            f"TP={tp} patched EXL3 + LoRA: request {n} ({lora or 'no adapter'})",
+            **own,
+            max_abs_dlogprob_vs_other_adapter=other["max_abs_dlogprob"],
+        )
         assert own["max_abs_dlogprob"] < TOLERANCE, (lora, own)
         assert own["argmax_agree"] >= own["positions"] - 1, (lora, own)
         if lora:
@@ -83,8 +98,14 @@ def test_patched_lora_matches_hf_peft(tp, tiny, prompt_ids, workdir, reference, 
 
 @TP
 def test_exl3_without_lora_matches_dense(tp, tiny, prompt_ids, workdir, reference, record):
-    case = {"model": str(tiny / "exl3"), "quantization": "exl3", "enable_lora": False, "prompts": prompt_ids,
-            "loras": [None] * 3, "tp": tp}
+    case = {
+        "model": str(tiny / "exl3"),
+        "quantization": "exl3",
+        "enable_lora": False,
+        "prompts": prompt_ids,
+        "loras": [None] * 3,
+        "tp": tp,
+    }
     result = run_engine(case, workdir, f"exl3-no-lora-tp{tp}")
     assert result["ok"], result.get("error", "") + result["output"][-3000:]
     for out in result["outputs"]:

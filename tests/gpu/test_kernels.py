@@ -40,11 +40,20 @@ def test_linear_against_dense(codebook, record):
         dense = codec.dense_weight(tensors, K).cuda()
         for rows in (1, 2, 4, 8, 16, 32, 33, 48, 64):
             x = torch.randn(rows, fin, generator=gen).to(torch.float16).cuda()
-            y = torch.ops.aphrodite.exl3_linear_one(x, tensors["trellis"].cuda(), tensors["suh"].cuda(),
-                                                    tensors["svh"].cuda(), codebook == "mcg", codebook == "mul1")
+            y = torch.ops.aphrodite.exl3_linear_one(
+                x,
+                tensors["trellis"].cuda(),
+                tensors["suh"].cuda(),
+                tensors["svh"].cuda(),
+                codebook == "mcg",
+                codebook == "mul1",
+            )
             ref = x.float() @ dense
             rel = float((y.float() - ref).norm() / ref.norm())
             worst[f"K={K} rows={rows}"] = rel
-    record(f"exl3_linear_one vs x @ W_dense ({codebook}, {fin}x{fout})",
-           max_rel_error=max(worst.values()), worst_case=max(worst, key=worst.get))
+    record(
+        f"exl3_linear_one vs x @ W_dense ({codebook}, {fin}x{fout})",
+        max_rel_error=max(worst.values()),
+        worst_case=max(worst, key=worst.get),
+    )
     assert max(worst.values()) < 5e-3, worst

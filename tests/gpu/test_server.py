@@ -64,10 +64,22 @@ CELLS = {
     "compiled-bf16-lora-chunk512": ("bfloat16", False, True, ["--max-num-batched-tokens", "512"], {}, "serve"),
     # controls without P4: float16 activations crash, whichever checkpoint they come from
     "compiled-fp16-nolora-noP4": ("float16", False, False, [], {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "crash"),
-    "compiled-bf16-as-fp16-nolora-noP4": ("bfloat16", False, False, ["--dtype", "float16"],
-                                          {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "crash"),
-    "compiled-fp16-as-bf16-nolora-noP4": ("float16", False, False, ["--dtype", "bfloat16"],
-                                          {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "serve"),
+    "compiled-bf16-as-fp16-nolora-noP4": (
+        "bfloat16",
+        False,
+        False,
+        ["--dtype", "float16"],
+        {"HYBRID_EXL3_FIXES_DISABLE": "P4"},
+        "crash",
+    ),
+    "compiled-fp16-as-bf16-nolora-noP4": (
+        "float16",
+        False,
+        False,
+        ["--dtype", "bfloat16"],
+        {"HYBRID_EXL3_FIXES_DISABLE": "P4"},
+        "serve",
+    ),
 }
 MAIN = "compiled-bf16-lora"
 
@@ -75,14 +87,35 @@ MAIN = "compiled-bf16-lora"
 def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]:
     dtype, eager, lora, extra, env, _ = CELLS[cell]
     folder = tiny[dtype]
-    args = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-            "--gpu-memory-utilization", "0.03", "--kv-cache-memory-bytes", str(2 << 30),
-            "--gdn-prefill-backend", "triton", "--language-model-only"]
+    args = [
+        "--served-model-name",
+        SERVED,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        "--gpu-memory-utilization",
+        "0.03",
+        "--kv-cache-memory-bytes",
+        str(2 << 30),
+        "--gdn-prefill-backend",
+        "triton",
+        "--language-model-only",
+    ]
     if eager:
         args.append("--enforce-eager")
     if lora:
-        args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4",
-                 "--lora-modules", *(f"{name}={folder / name}" for name in ADAPTERS)]
+        args += [
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "4",
+            "--lora-modules",
+            *(f"{name}={folder / name}" for name in ADAPTERS),
+        ]
     return str(folder / "exl3"), args + extra, env
 
 
@@ -155,30 +188,38 @@ COMPLETION_EXTRA = {"return_token_ids": True, "return_tokens_as_token_ids": True
 
 def complete(server: Server, model: str, ids: list[int], max_tokens: int = 8, prompt_logprobs: bool = True) -> dict:
     extra = dict(COMPLETION_EXTRA, **({"prompt_logprobs": 5} if prompt_logprobs else {}))
-    resp = client(server).completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0,
-                                             logprobs=5, extra_body=extra)
+    resp = client(server).completions.create(
+        model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0, logprobs=5, extra_body=extra
+    )
     return served_completion(resp.model_dump()["choices"][0])
 
 
 def check(reference: Reference, adapter: str | None, served: dict) -> dict:
-    return compare_served(reference, adapter, served["prompt_ids"], served["ids"], served["generated"], served["prompt"])
+    return compare_served(
+        reference, adapter, served["prompt_ids"], served["ids"], served["generated"], served["prompt"]
+    )
 
 
 def worst(rows: list[dict]) -> dict:
-    return {"max_abs_dlogprob": round(max(r["max_abs_dlogprob"] for r in rows), 4), "requests": len(rows),
-            "prompt_positions": sum(r["prompt_positions"] for r in rows),
-            "generated_positions": sum(r["generated_positions"] for r in rows)}
+    return {
+        "max_abs_dlogprob": round(max(r["max_abs_dlogprob"] for r in rows), 4),
+        "requests": len(rows),
+        "prompt_positions": sum(r["prompt_positions"] for r in rows),
+        "generated_positions": sum(r["generated_positions"] for r in rows),
+    }
 
 
-async def gather_completions(server: Server, jobs: list[tuple[str, list[int]]], max_tokens: int,
-                             prompt_logprobs: bool) -> list:
+async def gather_completions(
+    server: Server, jobs: list[tuple[str, list[int]]], max_tokens: int, prompt_logprobs: bool
+) -> list:
     """Submit every job at once; each result is the parsed choice or the exception it raised."""
     api = aclient(server)
     extra = dict(COMPLETION_EXTRA, **({"prompt_logprobs": 5} if prompt_logprobs else {}))
 
     async def one(model, ids):
-        resp = await api.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0,
-                                            logprobs=5, extra_body=extra)
+        resp = await api.completions.create(
+            model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0, logprobs=5, extra_body=extra
+        )
         return served_completion(resp.model_dump()["choices"][0])
 
     try:
@@ -193,6 +234,7 @@ def model_of(adapter: str | None) -> str:
 
 # -- every cell -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_cell(cell, fleet, references, record):
     """Start, /v1/models, three prompts alone per adapter, 16 mixed at once; or, for a control cell,
@@ -202,10 +244,18 @@ def test_cell(cell, fleet, references, record):
         pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
     server = fleet[cell]
     up = server.wait_ready(START_TIMEOUT)
-    info = {"checkpoint": dtype, "mode": "eager" if eager else "compiled", "lora": lora,
-            "extra": " ".join(extra), "env": " ".join(f"{k}={v}" for k, v in env.items()), "started": up,
-            "ready_s": server.ready_s, "overlay": sorted(set(server.overlay_lines())),
-            "overlay_lines": len(server.overlay_lines()), **server.startup_figures()}
+    info = {
+        "checkpoint": dtype,
+        "mode": "eager" if eager else "compiled",
+        "lora": lora,
+        "extra": " ".join(extra),
+        "env": " ".join(f"{k}={v}" for k, v in env.items()),
+        "started": up,
+        "ready_s": server.ready_s,
+        "overlay": sorted(set(server.overlay_lines())),
+        "overlay_lines": len(server.overlay_lines()),
+        **server.startup_figures(),
+    }
     if not up:
         info["root_error"] = server.root_error()[:400]
         record(f"server {cell}", **info)
@@ -233,13 +283,19 @@ def test_cell(cell, fleet, references, record):
     jobs = [(model_of(adapters[i % len(adapters)]), ids) for i, ids in enumerate(prompts(16, 2))]
     results = asyncio.run(gather_completions(server, jobs, 8, True))
     failed = [repr(r) for r in results if isinstance(r, Exception)]
-    mixed = [check(reference, adapters[i % len(adapters)], r) for i, r in enumerate(results) if not isinstance(r, Exception)]
+    mixed = [
+        check(reference, adapters[i % len(adapters)], r) for i, r in enumerate(results) if not isinstance(r, Exception)
+    ]
     tolerance = TOLERANCE
-    info["16 mixed"] = {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
+    info["16 mixed"] = (
+        {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
+    )
     info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
     info["tolerance"] = tolerance
     if lora:  # each adapter must differ from the base model by much more than the tolerance
-        base_ref = [check(reference, None, complete(server, "lora-a", ids, prompt_logprobs=True)) for ids in prompts(1, 1)]
+        base_ref = [
+            check(reference, None, complete(server, "lora-a", ids, prompt_logprobs=True)) for ids in prompts(1, 1)
+        ]
         info["lora-a vs base reference"] = round(base_ref[0]["max_abs_dlogprob"], 4)
     record(f"server {cell}", **info)
     assert not failed, failed[:3]
@@ -252,6 +308,7 @@ def test_cell(cell, fleet, references, record):
 
 # -- the main cell: what a user of the server does ---------------------------------------------
 
+
 def test_chat_completions_through_the_template(fleet, tiny, references, record):
     """/v1/chat/completions with chat_template_kwargs {"enable_thinking": false}, non-streaming and
     streaming, base and adapter: the prompt the server rendered is HF's rendering of the same
@@ -261,24 +318,43 @@ def test_chat_completions_through_the_template(fleet, tiny, references, record):
     server = ready(fleet, MAIN)
     tok = AutoTokenizer.from_pretrained(tiny["bfloat16"] / "exl3")
     reference = references["bfloat16"]
-    messages = [{"role": "system", "content": "You answer in one short line."},
-                {"role": "user", "content": "Which layers of a Qwen3.5 hybrid keep a recurrent state?"}]
+    messages = [
+        {"role": "system", "content": "You answer in one short line."},
+        {"role": "user", "content": "Which layers of a Qwen3.5 hybrid keep a recurrent state?"},
+    ]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, return_dict=False)
-    extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True,
-             "return_tokens_as_token_ids": True}
+    extra = {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     info = {}
     for adapter in (None, "lora-a"):
-        resp = client(server).chat.completions.create(model=model_of(adapter), messages=messages, max_tokens=12,
-                                                      temperature=0.0, logprobs=True, top_logprobs=5, extra_body=extra)
+        resp = client(server).chat.completions.create(
+            model=model_of(adapter),
+            messages=messages,
+            max_tokens=12,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=5,
+            extra_body=extra,
+        )
         body = resp.model_dump()
         choice = body["choices"][0]
         assert body["prompt_token_ids"] == expected, (body["prompt_token_ids"][-12:], expected[-12:])
         assert expected[-6:] == tok.convert_tokens_to_ids(["<think>", "Ċ", "Ċ", "</think>", "Ċ", "Ċ"])
         served = served_chat_logprobs(choice["logprobs"]["content"])
         plain = compare_served(reference, adapter, expected, choice["token_ids"], served)
-        stream = client(server).chat.completions.create(model=model_of(adapter), messages=messages, max_tokens=12,
-                                                        temperature=0.0, logprobs=True, top_logprobs=5, stream=True,
-                                                        extra_body=extra)
+        stream = client(server).chat.completions.create(
+            model=model_of(adapter),
+            messages=messages,
+            max_tokens=12,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=5,
+            stream=True,
+            extra_body=extra,
+        )
         ids, rows, text, prompt_ids, chunks = [], [], "", None, 0
         for chunk in stream:
             part = chunk.model_dump()
@@ -290,10 +366,14 @@ def test_chat_completions_through_the_template(fleet, tiny, references, record):
                 rows += served_chat_logprobs((c.get("logprobs") or {}).get("content"))
         assert prompt_ids == expected and chunks > 2
         streamed = compare_served(reference, adapter, expected, ids, rows)
-        info[adapter or "base"] = {"non-streaming": round(plain["max_abs_dlogprob"], 4),
-                                   "streaming": round(streamed["max_abs_dlogprob"], 4), "chunks": chunks,
-                                   "generated": len(ids), "same tokens": ids == choice["token_ids"],
-                                   "streamed text": text[:40]}
+        info[adapter or "base"] = {
+            "non-streaming": round(plain["max_abs_dlogprob"], 4),
+            "streaming": round(streamed["max_abs_dlogprob"], 4),
+            "chunks": chunks,
+            "generated": len(ids),
+            "same tokens": ids == choice["token_ids"],
+            "streamed text": text[:40],
+        }
         assert plain["max_abs_dlogprob"] < TOLERANCE and streamed["max_abs_dlogprob"] < TOLERANCE, info
     record("server chat (compiled-bf16-lora)", **info)
 
@@ -306,11 +386,22 @@ def test_64_concurrent_requests_mixing_base_and_two_adapters(fleet, references, 
     results = asyncio.run(gather_completions(server, jobs, 16, True))
     wall = time.monotonic() - started
     failed = [repr(r) for r in results if isinstance(r, Exception)]
-    rows = {a: [check(references["bfloat16"], a, r) for i, r in enumerate(results)
-                if not isinstance(r, Exception) and adapters[i % 3] == a] for a in adapters}
+    rows = {
+        a: [
+            check(references["bfloat16"], a, r)
+            for i, r in enumerate(results)
+            if not isinstance(r, Exception) and adapters[i % 3] == a
+        ]
+        for a in adapters
+    }
     info = {a or "base": worst(rows[a]) for a in adapters if rows[a]}
-    record("server 64 concurrent (compiled-bf16-lora)", failed=len(failed), wall_s=round(wall, 2), **info,
-           complete=sum(len(r["ids"]) == 16 for r in results if not isinstance(r, Exception)))
+    record(
+        "server 64 concurrent (compiled-bf16-lora)",
+        failed=len(failed),
+        wall_s=round(wall, 2),
+        **info,
+        complete=sum(len(r["ids"]) == 16 for r in results if not isinstance(r, Exception)),
+    )
     assert not failed, failed[:3]
     assert all(v["max_abs_dlogprob"] < TOLERANCE for v in info.values()), info
 
@@ -325,11 +416,21 @@ def test_256_concurrent_requests(fleet, references, record):
     results = asyncio.run(gather_completions(server, jobs, 32, False))
     wall = time.monotonic() - started
     failed = [repr(r) for r in results if isinstance(r, Exception)]
-    sampled = [check(references["bfloat16"], adapters[i % 3], r) for i, r in enumerate(results)
-               if i % 8 == 0 and not isinstance(r, Exception)]
+    sampled = [
+        check(references["bfloat16"], adapters[i % 3], r)
+        for i, r in enumerate(results)
+        if i % 8 == 0 and not isinstance(r, Exception)
+    ]
     lengths = [len(r["ids"]) for r in results if not isinstance(r, Exception)]
-    record("server 256 concurrent (compiled-bf16-lora)", failed=len(failed), wall_s=round(wall, 2), answered=len(lengths),
-           tokens=sum(lengths), checked=worst(sampled) if sampled else None, healthy_after=server.healthy())
+    record(
+        "server 256 concurrent (compiled-bf16-lora)",
+        failed=len(failed),
+        wall_s=round(wall, 2),
+        answered=len(lengths),
+        tokens=sum(lengths),
+        checked=worst(sampled) if sampled else None,
+        healthy_after=server.healthy(),
+    )
     assert not failed and len(lengths) == 256, failed[:3]
     assert all(n >= 1 for n in lengths) and server.healthy()
     assert max(r["max_abs_dlogprob"] for r in sampled) < TOLERANCE
@@ -350,8 +451,14 @@ def test_runtime_adapter_load_and_unload(fleet, tiny, references, record):
     after = {m.id for m in client(server).models.list().data}
     with pytest.raises(openai.NotFoundError):
         complete(server, name, prompts(1, 5)[0])
-    record("server runtime LoRA (compiled-bf16-lora)", load=load.status_code, listed=name in listed,
-           max_abs_dlogprob=round(served["max_abs_dlogprob"], 4), unload=unload.status_code, listed_after=name in after)
+    record(
+        "server runtime LoRA (compiled-bf16-lora)",
+        load=load.status_code,
+        listed=name in listed,
+        max_abs_dlogprob=round(served["max_abs_dlogprob"], 4),
+        unload=unload.status_code,
+        listed_after=name in after,
+    )
     assert load.status_code == 200, load.text
     assert name in listed and unload.status_code == 200 and name not in after
     assert served["max_abs_dlogprob"] < TOLERANCE
@@ -363,19 +470,31 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(fleet, t
     server = ready(fleet, MAIN)
     bad_dir = tiny["bfloat16"] / "no-such-adapter"
     cases = {
-        "bad adapter path": lambda: httpx.post(server.url + "/v1/load_lora_adapter",
-                                               json={"lora_name": "broken", "lora_path": str(bad_dir)}, timeout=120),
+        "bad adapter path": lambda: httpx.post(
+            server.url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(bad_dir)}, timeout=120
+        ),
         "adapter folder without adapter files": lambda: httpx.post(
-            server.url + "/v1/load_lora_adapter", json={"lora_name": "broken2", "lora_path": str(tiny["bfloat16"] / "exl3")},
-            timeout=120),
-        "unknown model name": lambda: httpx.post(server.url + "/v1/completions",
-                                                 json={"model": "no-such-model", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=60),
-        "malformed body": lambda: httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": [1,',
-                                             headers={"content-type": "application/json"}, timeout=60),
-        "wrong field type": lambda: httpx.post(server.url + "/v1/completions",
-                                               json={"model": SERVED, "prompt": [1, 2], "max_tokens": "many"}, timeout=60),
-        "token id outside the vocabulary": lambda: httpx.post(server.url + "/v1/completions",
-                                                              json={"model": SERVED, "prompt": [1, 99999], "max_tokens": 2}, timeout=60),
+            server.url + "/v1/load_lora_adapter",
+            json={"lora_name": "broken2", "lora_path": str(tiny["bfloat16"] / "exl3")},
+            timeout=120,
+        ),
+        "unknown model name": lambda: httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "no-such-model", "prompt": [1, 2, 3], "max_tokens": 2},
+            timeout=60,
+        ),
+        "malformed body": lambda: httpx.post(
+            server.url + "/v1/completions",
+            content=b'{"model": "tiny", "prompt": [1,',
+            headers={"content-type": "application/json"},
+            timeout=60,
+        ),
+        "wrong field type": lambda: httpx.post(
+            server.url + "/v1/completions", json={"model": SERVED, "prompt": [1, 2], "max_tokens": "many"}, timeout=60
+        ),
+        "token id outside the vocabulary": lambda: httpx.post(
+            server.url + "/v1/completions", json={"model": SERVED, "prompt": [1, 99999], "max_tokens": 2}, timeout=60
+        ),
     }
     info = {}
     for label, send in cases.items():
@@ -386,8 +505,12 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(fleet, t
             body = {"not json": resp.text[:200]}
         alive = server.healthy()
         after = check(references["bfloat16"], None, complete(server, SERVED, prompts(1, 6)[0])) if alive else None
-        info[label] = {"status": resp.status_code, "error": str((body.get("error") or body))[:160], "healthy_after": alive,
-                       "serves_after": after is not None and after["max_abs_dlogprob"] < TOLERANCE}
+        info[label] = {
+            "status": resp.status_code,
+            "error": str(body.get("error") or body)[:160],
+            "healthy_after": alive,
+            "serves_after": after is not None and after["max_abs_dlogprob"] < TOLERANCE,
+        }
     record("server bad requests (compiled-bf16-lora)", **info)
     for label, got in info.items():
         assert 400 <= got["status"] < 500 and got["healthy_after"] and got["serves_after"], (label, got)
@@ -400,9 +523,15 @@ def test_prompt_longer_than_the_batch_budget(fleet, references, record):
     cell = "compiled-bf16-lora-chunk512"
     server = ready(fleet, cell)
     ids = prompts(1, 7, LONG_PROMPT, LONG_PROMPT + 1)[0]
-    rows = {a or "base": check(references["bfloat16"], a, complete(server, model_of(a), ids, max_tokens=8))
-            for a in (None, "lora-b")}
-    record(f"server long prompt ({cell})", prompt_tokens=len(ids), **{k: round(v["max_abs_dlogprob"], 4) for k, v in rows.items()})
+    rows = {
+        a or "base": check(references["bfloat16"], a, complete(server, model_of(a), ids, max_tokens=8))
+        for a in (None, "lora-b")
+    }
+    record(
+        f"server long prompt ({cell})",
+        prompt_tokens=len(ids),
+        **{k: round(v["max_abs_dlogprob"], 4) for k, v in rows.items()},
+    )
     assert all(v["max_abs_dlogprob"] < TOLERANCE and v["prompt_positions"] == len(ids) - 1 for v in rows.values()), rows
     server.stop()
 
@@ -422,19 +551,36 @@ def prefix_cache_counters(server: Server) -> dict:
 def multi_turn(server: Server, tok, long_system: str, adapter: str | None) -> list[dict]:
     """Three chat turns sharing a long system prompt, each turn repeating the conversation so far,
     and the last turn sent twice; returns per request the prompt ids, generated ids and logprob rows."""
-    extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True,
-             "return_tokens_as_token_ids": True}
+    extra = {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     messages = [{"role": "system", "content": long_system}]
     out = []
-    for turn, question in enumerate(["What is a hybrid model?", "And its state?", "Say it shorter.", "Say it shorter."]):
+    for turn, question in enumerate(
+        ["What is a hybrid model?", "And its state?", "Say it shorter.", "Say it shorter."]
+    ):
         if turn < 3:
             messages.append({"role": "user", "content": question})
-        resp = client(server).chat.completions.create(model=model_of(adapter), messages=messages, max_tokens=10,
-                                                      temperature=0.0, logprobs=True, top_logprobs=5, extra_body=extra)
+        resp = client(server).chat.completions.create(
+            model=model_of(adapter),
+            messages=messages,
+            max_tokens=10,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=5,
+            extra_body=extra,
+        )
         body = resp.model_dump()
         choice = body["choices"][0]
-        out.append({"prompt_ids": body["prompt_token_ids"], "ids": choice["token_ids"],
-                    "rows": served_chat_logprobs(choice["logprobs"]["content"])})
+        out.append(
+            {
+                "prompt_ids": body["prompt_token_ids"],
+                "ids": choice["token_ids"],
+                "rows": served_chat_logprobs(choice["logprobs"]["content"]),
+            }
+        )
         if turn < 2:
             messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})
     return out
@@ -449,17 +595,22 @@ def test_prefix_caching_multi_turn_matches_hf_and_the_uncached_server(fleet, tin
 
     tok = AutoTokenizer.from_pretrained(tiny["bfloat16"] / "exl3")
     rng = random.Random(8)
-    long_system = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9)))
-                           for _ in range(200))
+    long_system = " ".join(
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9))) for _ in range(200)
+    )
     info = {}
     for cell in ("compiled-bf16-lora-prefix", MAIN):
         server = ready(fleet, cell)
         before = prefix_cache_counters(server)
         for adapter in (None, "lora-a"):
-            rows = [compare_served(references["bfloat16"], adapter, r["prompt_ids"], r["ids"], r["rows"])
-                    for r in multi_turn(server, tok, long_system, adapter)]
-            info[f"{cell} {adapter or 'base'}"] = {"max_abs_dlogprob": round(max(r["max_abs_dlogprob"] for r in rows), 4),
-                                                   "per_turn": [round(r["max_abs_dlogprob"], 4) for r in rows]}
+            rows = [
+                compare_served(references["bfloat16"], adapter, r["prompt_ids"], r["ids"], r["rows"])
+                for r in multi_turn(server, tok, long_system, adapter)
+            ]
+            info[f"{cell} {adapter or 'base'}"] = {
+                "max_abs_dlogprob": round(max(r["max_abs_dlogprob"] for r in rows), 4),
+                "per_turn": [round(r["max_abs_dlogprob"], 4) for r in rows],
+            }
         after = prefix_cache_counters(server)
         info[f"{cell} prefix cache"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     record("server prefix caching, multi-turn", prefix_tokens=len(tok(long_system).input_ids), **info)

@@ -88,7 +88,7 @@ def test_tensor_core_perm_is_a_permutation():
 def test_hadamard_is_orthonormal_and_blockwise():
     x = torch.randn(3, 256, dtype=torch.float64)
     y = codec.hadamard_blocks(x, 1)
-    h = codec.sylvester() / 128 ** 0.5
+    h = codec.sylvester() / 128**0.5
     assert torch.allclose(h @ h, torch.eye(128, dtype=torch.float64))
     assert torch.allclose(y, x @ torch.block_diag(h, h))
     assert torch.allclose(codec.hadamard_blocks(y, 1), x)
@@ -105,7 +105,7 @@ def test_dense_weight_matches_the_explicit_formula(codebook):
     w = codec.dense_weight(tensors)
     # explicit: diag(suh) H W_rot H diag(svh) with dense matrices
     w_rot = codec.decode_tiles(tensors["trellis"], 3, codebook).double()
-    h = codec.sylvester().double() / 128 ** 0.5
+    h = codec.sylvester().double() / 128**0.5
     h_in, h_out = torch.block_diag(h, h), h
     expected = torch.diag(tensors["suh"].double()) @ h_in @ w_rot @ h_out @ torch.diag(tensors["svh"].double())
     assert torch.allclose(w.double(), expected, atol=1e-6)

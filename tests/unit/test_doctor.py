@@ -11,10 +11,18 @@ from hybrid_exl3_fixes.doctor import diagnose
 from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
 QWEN36_27B_TEXT = {  # the second deployment's model, as the issue gives it
-    "num_hidden_layers": 64, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
-    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 5120,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144,
+    "num_hidden_layers": 64,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_size": 5120,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 262144,
 }
 
 
@@ -30,8 +38,9 @@ def levels(report):
 
 
 def test_27b_hybrid_economics(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
-                                                      "text_config": QWEN36_27B_TEXT}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": QWEN36_27B_TEXT})
+    )
     plan = diagnose(tmp_path, check_overlay=False).plan
     assert plan["kv_bytes_per_token"] == 64 * 1024  # 16 full layers x 4 x 256 x 2 x 2 B
     assert plan["recurrent_state_bytes_per_sequence"] == 144 * 1024 * 1024  # 48 layers x 3 MiB
@@ -42,8 +51,9 @@ def test_27b_hybrid_economics(tmp_path):
 
 
 def test_27b_on_four_24g_cards(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
-                                                      "text_config": QWEN36_27B_TEXT}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": QWEN36_27B_TEXT})
+    )
     report = diagnose(tmp_path, gpu_mem=24, gpus=4, tp=4, max_model_len=131072, check_overlay=False)
     p = report.plan
     assert p["image_reservation_bytes"] == 16384 * 64 * 1024  # 1 GiB of KV for one default image
@@ -83,7 +93,9 @@ def test_tensor_storage_mismatch_and_head_bits_trap(tiny, tmp_path):
     cfg["quantization_config"]["head_bits"] = 6
     (broken / "config.json").write_text(json.dumps(cfg))
     report = diagnose(broken, language_model_only=True, check_overlay=False)
-    assert levels(report)["exl3"] == "BLOCK" and "model.ghost.trellis" in next(f.message for f in report.findings if f.check == "exl3")
+    assert levels(report)["exl3"] == "BLOCK" and "model.ghost.trellis" in next(
+        f.message for f in report.findings if f.check == "exl3"
+    )
     assert levels(report)["head_bits"] == "BLOCK"
 
 
@@ -91,7 +103,9 @@ def test_no_config_and_bad_config(tmp_path):
     assert diagnose(tmp_path, check_overlay=False).exit_code == 2
     (tmp_path / "config.json").write_text("{not json")
     report = diagnose(tmp_path, check_overlay=False)
-    assert report.exit_code == 2 and "config.json is not valid JSON: Expecting property name" in report.findings[0].message
+    assert (
+        report.exit_code == 2 and "config.json is not valid JSON: Expecting property name" in report.findings[0].message
+    )
 
 
 def test_cli_json(tiny, capsys):
@@ -102,17 +116,20 @@ def test_cli_json(tiny, capsys):
     assert code == out["exit_code"] and out["plan"]["kv_bytes_per_token"] == 2048
 
 
-@pytest.mark.parametrize("checkpoint, dtype, p4, expected", [
-    ("bfloat16", "auto", None, "OK"),         # exllamav3's output of a Qwen3.5/3.6 model: measured, serves
-    ("bfloat16", "auto", "APPLIED", "OK"),
-    ("float16", "auto", "APPLIED", "OK"),     # measured: P4 removes the crash
-    ("float16", "auto", "UPSTREAM_FIXED", "OK"),
-    ("float16", "auto", "DISABLED", "WARN"),  # measured: the crash without P4
-    ("float16", "auto", None, "WARN"),        # overlay not evaluated: no claim it is fixed
-    ("bfloat16", "float16", "DISABLED", "WARN"),  # measured: --dtype float16 crashes a bfloat16 checkpoint
-    ("bfloat16", "half", "DRIFTED", "WARN"),
-    ("float16", "bfloat16", "DISABLED", "OK"),  # measured: --dtype bfloat16 serves a float16 checkpoint
-])
+@pytest.mark.parametrize(
+    "checkpoint, dtype, p4, expected",
+    [
+        ("bfloat16", "auto", None, "OK"),  # exllamav3's output of a Qwen3.5/3.6 model: measured, serves
+        ("bfloat16", "auto", "APPLIED", "OK"),
+        ("float16", "auto", "APPLIED", "OK"),  # measured: P4 removes the crash
+        ("float16", "auto", "UPSTREAM_FIXED", "OK"),
+        ("float16", "auto", "DISABLED", "WARN"),  # measured: the crash without P4
+        ("float16", "auto", None, "WARN"),  # overlay not evaluated: no claim it is fixed
+        ("bfloat16", "float16", "DISABLED", "WARN"),  # measured: --dtype float16 crashes a bfloat16 checkpoint
+        ("bfloat16", "half", "DRIFTED", "WARN"),
+        ("float16", "bfloat16", "DISABLED", "OK"),  # measured: --dtype bfloat16 serves a float16 checkpoint
+    ],
+)
 def test_compiled_mode_warns_only_for_float16_activations_without_p4(tiny, checkpoint, dtype, p4, expected):
     from hybrid_exl3_fixes.doctor import Report, check_compiled_mode
 
@@ -143,8 +160,12 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
 
     for dtype in ("bfloat16", "float16"):
         write_tiny(tmp_path / dtype, TinySpec(dtype=dtype), dense=False)
-    cases = (("bfloat16", {}, "OK"), ("float16", {}, "OK"), ("float16", {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "WARN"),
-             ("float16", {"APHRODITE_PLUGINS": "some_other_plugin"}, "WARN"))  # the engine would not load P4
+    cases = (
+        ("bfloat16", {}, "OK"),
+        ("float16", {}, "OK"),
+        ("float16", {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "WARN"),
+        ("float16", {"APHRODITE_PLUGINS": "some_other_plugin"}, "WARN"),
+    )  # the engine would not load P4
     for dtype, env, expected in cases:
         os.environ.update(env)
         try:
@@ -170,7 +191,9 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
     os.environ["HYBRID_EXL3_FIXES_DISABLE"] = "P4"
     try:
         capsys.readouterr()
-        code = main(["doctor", str(tmp_path / "bfloat16" / "exl3"), "--language-model-only", "--dtype", "float16", "--json"])
+        code = main(
+            ["doctor", str(tmp_path / "bfloat16" / "exl3"), "--language-model-only", "--dtype", "float16", "--json"]
+        )
     finally:
         os.environ.pop("HYBRID_EXL3_FIXES_DISABLE", None)
         hybrid_exl3_fixes.undo_all()

@@ -25,24 +25,46 @@ from hypothesis import strategies as st
 from hybrid_exl3_fixes.cli import EXIT_INTERNAL, main
 from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
-WRONG_VALUES = {"a string": "x", "a float": 1.5, "a boolean": True, "a list": [1], "an object": {"a": 1},
-                "null": None, "zero": 0, "negative": -4}
+WRONG_VALUES = {
+    "a string": "x",
+    "a float": 1.5,
+    "a boolean": True,
+    "a list": [1],
+    "an object": {"a": 1},
+    "null": None,
+    "zero": 0,
+    "negative": -4,
+}
 # (path inside config.json, required: removing it is a problem too)
 CONFIG_FIELDS = [
-    (("architectures",), True), (("text_config",), True), (("quantization_config",), False),
-    (("quantization_config", "quant_method"), True), (("quantization_config", "head_bits"), False),
-    (("vision_config",), False), (("vision_config", "patch_size"), False), (("vision_config", "spatial_merge_size"), False),
-    (("dtype",), False), (("text_config", "hidden_size"), True), (("text_config", "num_attention_heads"), True),
-    (("text_config", "num_hidden_layers"), True), (("text_config", "layer_types"), False),
-    (("text_config", "num_key_value_heads"), True), (("text_config", "head_dim"), False),
-    (("text_config", "linear_num_value_heads"), True), (("text_config", "linear_num_key_heads"), True),
-    (("text_config", "linear_key_head_dim"), True), (("text_config", "linear_value_head_dim"), True),
-    (("text_config", "linear_conv_kernel_dim"), False), (("text_config", "max_position_embeddings"), False),
+    (("architectures",), True),
+    (("text_config",), True),
+    (("quantization_config",), False),
+    (("quantization_config", "quant_method"), True),
+    (("quantization_config", "head_bits"), False),
+    (("vision_config",), False),
+    (("vision_config", "patch_size"), False),
+    (("vision_config", "spatial_merge_size"), False),
+    (("dtype",), False),
+    (("text_config", "hidden_size"), True),
+    (("text_config", "num_attention_heads"), True),
+    (("text_config", "num_hidden_layers"), True),
+    (("text_config", "layer_types"), False),
+    (("text_config", "num_key_value_heads"), True),
+    (("text_config", "head_dim"), False),
+    (("text_config", "linear_num_value_heads"), True),
+    (("text_config", "linear_num_key_heads"), True),
+    (("text_config", "linear_key_head_dim"), True),
+    (("text_config", "linear_value_head_dim"), True),
+    (("text_config", "linear_conv_kernel_dim"), False),
+    (("text_config", "max_position_embeddings"), False),
 ]
 # values of the wrong type that are still right for a field: null removes an optional field; a list of
 # strings is what architectures / layer_types want (the list [1] is not)
-ACCEPTABLE = {("quantization_config", "head_bits"): {"zero", "null", "a float"},
-              ("vision_config",): {"an object"}}  # {"a": 1}: the vision fields doctor reads have defaults
+ACCEPTABLE = {
+    ("quantization_config", "head_bits"): {"zero", "null", "a float"},
+    ("vision_config",): {"an object"},
+}  # {"a": 1}: the vision fields doctor reads have defaults
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +123,13 @@ def test_the_good_folder_is_clean(good):
 
 # -- safetensors ------------------------------------------------------------------------------
 
+
 def boundaries(path: Path) -> list[int]:
     """Every structural boundary of a safetensors file: inside the length field, inside and at the
     end of the header, each of the first tensors' data start, start + 1 and end - 1, the last byte."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
+    header = json.loads(raw[8 : 8 + length])
     spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
     cuts = {0, 1, 4, 7, 8, 9, 8 + length // 2, 8 + length - 1, 8 + length, len(raw) - 1}
     for start, end in spans[:6] + spans[-3:]:
@@ -125,7 +148,7 @@ def test_truncated_safetensors_at_every_boundary(good, tmp_path):
 
 def test_a_header_length_larger_than_the_file_reads_nothing_more(good, tmp_path):
     raw = (good / "model.safetensors").read_bytes()
-    huge = struct.pack("<Q", 10 ** 12) + raw[8:]
+    huge = struct.pack("<Q", 10**12) + raw[8:]
     expect_problem(good, tmp_path / "huge", "header claims 1,000,000,000,000 bytes", model__safetensors=huge)
 
 
@@ -136,12 +159,12 @@ def test_flipped_header_bytes(good, tmp_path_factory, data):
     (length,) = struct.unpack("<Q", raw[:8])
     pos = data.draw(st.integers(8, 8 + length - 1), label="position")
     byte = data.draw(st.integers(0, 255).filter(lambda b: b != raw[pos]), label="byte")
-    original = json.loads(raw[8:8 + length])
+    original = json.loads(raw[8 : 8 + length])
     raw[pos] = byte
     folder = broken_copy(good, tmp_path_factory.mktemp("flip") / "m", model__safetensors=bytes(raw))
     code, report, _ = doctor(folder)
     try:
-        flipped = json.loads(bytes(raw[8:8 + length]).decode("utf-8"))
+        flipped = json.loads(bytes(raw[8 : 8 + length]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         flipped = None
     storage = json.loads((good / "quantization_config.json").read_text())["tensor_storage"]
@@ -161,17 +184,32 @@ def test_flipped_header_bytes(good, tmp_path_factory, data):
 
 
 def test_sharded_index_naming_missing_shards(good, tmp_path):
-    index = {"metadata": {}, "weight_map": {"model.language_model.norm.weight": "model-00001-of-00002.safetensors",
-                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
-    expect_problem(good, tmp_path / "idx", "names 2 shard(s) that are not in the folder",
-                   model__safetensors__index__json=json.dumps(index).encode())
-    expect_problem(good, tmp_path / "idx2", "model.safetensors.index.json is not valid JSON",
-                   model__safetensors__index__json=b"{")
-    expect_problem(good, tmp_path / "idx3", "weight_map is missing",
-                   model__safetensors__index__json=json.dumps({"weight_map": 3}).encode())
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "model.language_model.norm.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        },
+    }
+    expect_problem(
+        good,
+        tmp_path / "idx",
+        "names 2 shard(s) that are not in the folder",
+        model__safetensors__index__json=json.dumps(index).encode(),
+    )
+    expect_problem(
+        good, tmp_path / "idx2", "model.safetensors.index.json is not valid JSON", model__safetensors__index__json=b"{"
+    )
+    expect_problem(
+        good,
+        tmp_path / "idx3",
+        "weight_map is missing",
+        model__safetensors__index__json=json.dumps({"weight_map": 3}).encode(),
+    )
 
 
 # -- config.json ------------------------------------------------------------------------------
+
 
 def edited_config(good: Path, path: tuple[str, ...], value=...) -> bytes:
     config = json.loads((good / "config.json").read_text())
@@ -185,12 +223,16 @@ def edited_config(good: Path, path: tuple[str, ...], value=...) -> bytes:
     return json.dumps(config).encode()
 
 
-CASES = [(path, label, value) for path, _ in CONFIG_FIELDS for label, value in WRONG_VALUES.items()
-         if label not in ACCEPTABLE.get(path, set()) and not (label == "null" and path[-1] in
-                                                               ("quantization_config", "vision_config", "dtype"))]
+CASES = [
+    (path, label, value)
+    for path, _ in CONFIG_FIELDS
+    for label, value in WRONG_VALUES.items()
+    if label not in ACCEPTABLE.get(path, set())
+    and not (label == "null" and path[-1] in ("quantization_config", "vision_config", "dtype"))
+]
 
 
-@pytest.mark.parametrize("path, label, value", CASES, ids=[f"{'.'.join(p)}={l}" for p, l, _ in CASES])
+@pytest.mark.parametrize("path, label, value", CASES, ids=[f"{'.'.join(p)}={label}" for p, label, _ in CASES])
 def test_every_config_field_with_every_wrong_type(good, tmp_path, path, label, value):
     required = dict(CONFIG_FIELDS)[path]
     if label == "null" and not required:
@@ -212,37 +254,56 @@ def test_every_config_field_removed(good, tmp_path, path):
             assert code == 2 and "hidden_size is missing" in messages(report)
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b"", "config.json is not valid JSON"), (b"{not json", "config.json is not valid JSON"),
-    (b"[1, 2]", "config.json holds a list, not a JSON object"), (b'"x"', "holds a string"),
-    (b"\xff\xfe{}", "not UTF-8"), (b"[" * 100000 + b"]" * 100000, "config.json"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"", "config.json is not valid JSON"),
+        (b"{not json", "config.json is not valid JSON"),
+        (b"[1, 2]", "config.json holds a list, not a JSON object"),
+        (b'"x"', "holds a string"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b"[" * 100000 + b"]" * 100000, "config.json"),
+    ],
+)
 def test_config_that_is_not_a_json_object(good, tmp_path, content, needle):
     expect_problem(good, tmp_path / "j", needle, config__json=content)
 
 
 # -- quantization_config.json, processor, files -------------------------------------------------
 
-@pytest.mark.parametrize("content, needle", [
-    (b"{", "quantization_config.json is not valid JSON"), (b"[]", "holds a list"),
-    (b'{"tensor_storage": 3}', "tensor_storage is 3"), (b'{"bits": 4}', "tensor_storage is missing"),
-    (b'{"tensor_storage": {"model.x": 5}}', "malformed tensor_storage"),
-    (b'{"tensor_storage": {"model.x": {"stored_tensors": {"a": {"shape": "big"}}}}}', "malformed tensor_storage"),
-    (b'{"tensor_storage": {"model.x": {"stored_tensors": [], "quant_format": "exl3"}}}', "malformed tensor_storage"),
-    (b'{"tensor_storage": {"model.x": {"quant_format": 7}}}', "quant_format is 7"),
-])
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"{", "quantization_config.json is not valid JSON"),
+        (b"[]", "holds a list"),
+        (b'{"tensor_storage": 3}', "tensor_storage is 3"),
+        (b'{"bits": 4}', "tensor_storage is missing"),
+        (b'{"tensor_storage": {"model.x": 5}}', "malformed tensor_storage"),
+        (b'{"tensor_storage": {"model.x": {"stored_tensors": {"a": {"shape": "big"}}}}}', "malformed tensor_storage"),
+        (
+            b'{"tensor_storage": {"model.x": {"stored_tensors": [], "quant_format": "exl3"}}}',
+            "malformed tensor_storage",
+        ),
+        (b'{"tensor_storage": {"model.x": {"quant_format": 7}}}', "quant_format is 7"),
+    ],
+)
 def test_broken_quantization_config_json(good, tmp_path, content, needle):
     expect_problem(good, tmp_path / "q", needle, quantization_config__json=content)
 
 
-@pytest.mark.parametrize("content, needle", [(b"{", "preprocessor_config.json is not valid JSON"),
-                                             (b'{"size": {"longest_edge": "huge"}}', "longest_edge is")])
+@pytest.mark.parametrize(
+    "content, needle",
+    [(b"{", "preprocessor_config.json is not valid JSON"), (b'{"size": {"longest_edge": "huge"}}', "longest_edge is")],
+)
 def test_broken_preprocessor_config(good, tmp_path, content, needle):
     expect_problem(good, tmp_path / "p", needle, preprocessor_config__json=content)
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "quantization_config.json", "tokenizer.json",
-                                  "preprocessor_config.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["config.json", "model.safetensors", "quantization_config.json", "tokenizer.json", "preprocessor_config.json"],
+)
 @pytest.mark.parametrize("kind", ["dir", "dangling", "loop", None])
 def test_files_that_are_folders_links_to_nothing_or_missing(good, tmp_path, name, kind):
     if kind is None and name == "preprocessor_config.json":
@@ -258,15 +319,26 @@ def test_files_that_are_folders_links_to_nothing_or_missing(good, tmp_path, name
 def test_model_dir_that_is_a_file_a_loop_or_missing(good, tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    for target, needle in ((tmp_path / "file", "is a file, not a folder"), (tmp_path / "loop", "does not exist"),
-                           (tmp_path / "missing", "does not exist"), (good / "config.json", "is a file")):
+    for target, needle in (
+        (tmp_path / "file", "is a file, not a folder"),
+        (tmp_path / "loop", "does not exist"),
+        (tmp_path / "missing", "does not exist"),
+        (good / "config.json", "is a file"),
+    ):
         code, report, _ = doctor(target)
         assert code == 2 and needle in messages(report), messages(report)
 
 
 def test_bad_flags_are_usage_errors_not_tracebacks(good, capsys):
-    for flags in (["--tp", "0"], ["--gpu-mem", "-1"], ["--gpu-mem", "nan"], ["--gpu-memory-utilization", "2"],
-                  ["--max-model-len", "x"], ["--kv-dtype", "int4"], ["--dtype", "int8"]):
+    for flags in (
+        ["--tp", "0"],
+        ["--gpu-mem", "-1"],
+        ["--gpu-mem", "nan"],
+        ["--gpu-memory-utilization", "2"],
+        ["--max-model-len", "x"],
+        ["--kv-dtype", "int4"],
+        ["--dtype", "int8"],
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["doctor", str(good), *flags])
         assert exit_.value.code == 2
@@ -278,13 +350,24 @@ def test_every_problem_in_one_run(good, tmp_path):
     config["text_config"].pop("num_key_value_heads")
     config["text_config"]["linear_key_head_dim"] = "wide"
     raw = (good / "model.safetensors").read_bytes()
-    folder = broken_copy(good, tmp_path / "all", config__json=json.dumps(config).encode(),
-                         model__safetensors=raw[: len(raw) // 2], quantization_config__json=b"{", tokenizer__json=None)
+    folder = broken_copy(
+        good,
+        tmp_path / "all",
+        config__json=json.dumps(config).encode(),
+        model__safetensors=raw[: len(raw) // 2],
+        quantization_config__json=b"{",
+        tokenizer__json=None,
+    )
     code, report, _ = doctor(folder)
     text = messages(report)
     assert code == 2
-    for needle in ("num_key_value_heads is missing", "linear_key_head_dim is \"wide\"", "model.safetensors",
-                   "quantization_config.json is not valid JSON", "no tokenizer"):
+    for needle in (
+        "num_key_value_heads is missing",
+        'linear_key_head_dim is "wide"',
+        "model.safetensors",
+        "quantization_config.json is not valid JSON",
+        "no tokenizer",
+    ):
         assert needle in text, (needle, text)
 
 
@@ -294,9 +377,18 @@ def test_subprocess_cli_never_prints_a_traceback(good, tmp_path):
     import sys
 
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 7)
-    for args in (["doctor", str(tmp_path)], ["doctor", str(tmp_path / "junk.safetensors")],
-                 ["make-tiny", str(good / "config.json" / "x")], ["stubs", "--out", str(good / "config.json")],
-                 ["doctor", str(good), "--tp", "-3"]):
-        proc = subprocess.run([sys.executable, "-m", "hybrid_exl3_fixes.cli", *args], capture_output=True, text=True,
-                              timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    for args in (
+        ["doctor", str(tmp_path)],
+        ["doctor", str(tmp_path / "junk.safetensors")],
+        ["make-tiny", str(good / "config.json" / "x")],
+        ["stubs", "--out", str(good / "config.json")],
+        ["doctor", str(good), "--tp", "-3"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybrid_exl3_fixes.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
         assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr, (args, proc.stderr)

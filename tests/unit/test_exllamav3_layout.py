@@ -43,7 +43,11 @@ def first_call(tree: ast.AST, name: str, key_suffix: str | None = None) -> ast.C
 
 
 def string_kwargs(call: ast.Call) -> dict[str, str]:
-    return {k.arg: k.value.value for k in call.keywords if isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)}
+    return {
+        k.arg: k.value.value
+        for k in call.keywords
+        if isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)
+    }
 
 
 def gdn_unquantized_key_params() -> set[str]:
@@ -65,8 +69,10 @@ def expected_exl3_suffixes() -> set[str]:
     unquantized = gdn_unquantized_key_params()
     projections = {"key_qkv", "key_z", "key_b", "key_a", "key_o"}
     expected = {f"linear_attn.{v}" for k, v in gdn.items() if k in projections and k not in unquantized}
-    for section, call, keys in (("self_attn", attn_call, ("key_q", "key_k", "key_v", "key_o")),
-                                ("mlp", mlp_call, ("key_gate", "key_up", "key_down"))):
+    for section, call, keys in (
+        ("self_attn", attn_call, ("key_q", "key_k", "key_v", "key_o")),
+        ("mlp", mlp_call, ("key_gate", "key_up", "key_down")),
+    ):
         kwargs = string_kwargs(call)
         assert kwargs.get("qmap"), f"qwen3_5.py builds {section} without a qmap: nothing there would be quantized"
         expected |= {f"{section}.{kwargs[k]}" for k in keys}
@@ -110,15 +116,19 @@ def test_exl3_tensor_names_are_what_exllamav3_loads(tiny):
     # modules/linear.py loads key + ".trellis" and optional subkeys through opt(".suh") etc.
     loads = set()
     for node in ast.walk(parse("modules/linear.py")):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(".") and \
-                node.value[1:] in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale"):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(".")
+            and node.value[1:] in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
+        ):
             loads.add(node.value[1:])
     assert {"trellis", "suh", "svh", "mcg", "mul1"} <= loads
     storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     for prefix, entry in storage.items():
         if entry.get("quant_format") != "exl3":
             continue
-        names = {n[len(prefix) + 1:] for n in entry["stored_tensors"]}
+        names = {n[len(prefix) + 1 :] for n in entry["stored_tensors"]}
         assert "trellis" in names and names <= loads, (prefix, names)
         assert len(names & {"mcg", "mul1"}) <= 1
 
@@ -127,8 +137,12 @@ def test_tensor_storage_entry_fields_match_exllamav3_writer(tiny):
     # conversion/quant_config.py: module_dict["stored_tensors" | "quant_format" | "bits_per_weight" | ...]
     fields = set()
     for node in ast.walk(parse("conversion/quant_config.py")):
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "module_dict" \
-                and isinstance(node.slice, ast.Constant):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "module_dict"
+            and isinstance(node.slice, ast.Constant)
+        ):
             fields.add(node.slice.value)
     assert {"stored_tensors", "quant_format", "bits_per_weight"} <= fields
     # loader/safetensors.py list_tensors: {"shape", "n_bytes", "dtype": str(torch dtype)}
@@ -172,13 +186,22 @@ def test_exllamav3_reads_the_checkpoint_config(tiny):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(tiny / "exl3")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(tiny / "exl3")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = json.loads(proc.stdout.strip().splitlines()[-1])
     spec = TinySpec()
-    assert read == {"config": "Qwen3_5VLConfig", "model": "Qwen3_5VLModel", "hidden": spec.hidden,
-                    "layers": len(spec.layer_types), "vision": True}
+    assert read == {
+        "config": "Qwen3_5VLConfig",
+        "model": "Qwen3_5VLModel",
+        "hidden": spec.hidden,
+        "layers": len(spec.layer_types),
+        "vision": True,
+    }
 
 
 def gdn_dtype_rules() -> dict[str, set[str]]:
@@ -187,12 +210,14 @@ def gdn_dtype_rules() -> dict[str, set[str]]:
     import re
 
     src = (EXL / "exllamav3_ext" / "gdn.cu").read_text()
-    body = src[src.index("void gated_delta_net_fused_op_2\n"):]
-    body = body[:body.index("\n}\n")]
+    body = src[src.index("void gated_delta_net_fused_op_2\n") :]
+    body = body[: body.index("\n}\n")]
     to_torch = {"kBFloat16": "torch.bfloat16", "kFloat": "torch.float32", "kHalf": "torch.float16"}
     rules: dict[str, set[str]] = {}
     for arg in ("dt_bias", "a_log"):
-        kinds = re.findall(rf"TORCH_CHECK_DTYPE\({arg}, (k\w+)\)", body) + re.findall(rf"{arg}\.dtype\(\) == at::(k\w+)", body)
+        kinds = re.findall(rf"TORCH_CHECK_DTYPE\({arg}, (k\w+)\)", body) + re.findall(
+            rf"{arg}\.dtype\(\) == at::(k\w+)", body
+        )
         assert kinds, f"gdn.cu no longer states the dtype of {arg}: update this test"
         rules[arg] = {to_torch[k] for k in kinds}
     return rules
@@ -205,7 +230,7 @@ def gated_norm_weight_dtypes() -> set[str]:
 
     src = (EXL / "exllamav3_ext" / "norm.cu").read_text()
     end = src.index('"gated_rms_norm: Invalid datatypes')
-    body = src[src.rindex("#define __(", 0, end):end]
+    body = src[src.rindex("#define __(", 0, end) : end]
     kinds = set(re.findall(r"__\(\s*k\w+,\s*\w+,\s*(k\w+),", body))
     assert kinds, "norm.cu no longer has gated_rms_norm's launch table: update this test"
     return {{"kBFloat16": "torch.bfloat16", "kFloat": "torch.float32", "kHalf": "torch.float16"}[k] for k in kinds}
@@ -239,16 +264,32 @@ def test_exllamav3_output_keeps_the_source_config_dtype():
     loads = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.value) == "json.load(f)"]
     assert [ast.unparse(t) for n in loads for t in n.targets] == ["config_dict"]
     assert 'open(os.path.join(in_dir, "config.json"), "r")' in compile_src.replace("'", '"')
-    written = {ast.unparse(t.slice) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets
-               if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "config_dict"}
+    written = {
+        ast.unparse(t.slice)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "config_dict"
+    }
     assert written == {"'quantization_config'"}
-    callers = {ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)
-               and any(ast.unparse(a) == "config_dict" for a in n.args)}
+    callers = {
+        ast.unparse(n.func)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call) and any(ast.unparse(a) == "config_dict" for a in n.args)
+    }
     assert callers == {"update_config", "json.dumps"}  # updated, then written out
-    update = next(n for n in ast.walk(parse("conversion/quant_config.py"))
-                  if isinstance(n, ast.FunctionDef) and n.name == "update_config")
-    keys = {ast.unparse(t.slice) for n in ast.walk(update) if isinstance(n, ast.Assign) for t in n.targets
-            if isinstance(t, ast.Subscript)}
+    update = next(
+        n
+        for n in ast.walk(parse("conversion/quant_config.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "update_config"
+    )
+    keys = {
+        ast.unparse(t.slice)
+        for n in ast.walk(update)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript)
+    }
     assert keys == {"'tie_word_embeddings'"}
     assert "dtype" not in ast.unparse(update) and "torch_dtype" not in compile_src
 
@@ -257,24 +298,36 @@ def test_exllamav3_copies_the_chat_template_and_generation_config(tmp_path):
     """compile.py copies every non-tensor file of the source folder except config.json, the shard
     index and pickled weights, so a converted Qwen3.5/3.6 checkpoint carries the source's
     chat_template.jinja and generation_config.json: the writer ships both."""
-    fn = next(n for n in ast.walk(parse("conversion/compile.py"))
-              if isinstance(n, ast.FunctionDef) and n.name == "compile_model")
+    fn = next(
+        n
+        for n in ast.walk(parse("conversion/compile.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "compile_model"
+    )
     skipped_names, skipped_ends = set(), set()
     for node in ast.walk(fn):
         if isinstance(node, ast.Compare) and ast.unparse(node.left) == "f" and isinstance(node.ops[0], ast.Eq):
             skipped_names.add(node.comparators[0].value)
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("f.endswith", "f.endswith(x)"):
             skipped_ends.add(node.args[0].value) if isinstance(node.args[0], ast.Constant) else None
-        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) for e in node.elts) and node.elts \
-                and all(str(e.value).startswith(".") for e in node.elts):
+        if (
+            isinstance(node, ast.List)
+            and all(isinstance(e, ast.Constant) for e in node.elts)
+            and node.elts
+            and all(str(e.value).startswith(".") for e in node.elts)
+        ):
             skipped_ends |= {e.value for e in node.elts}
     assert skipped_names == {"config.json", "model.safetensors.index.json"}
     assert {".safetensors", ".bin", ".pt"} <= skipped_ends
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     shipped = {p.name for p in (tmp_path / "t" / "exl3").iterdir()}
     copied = {n for n in shipped if n not in skipped_names and not n.endswith(tuple(skipped_ends))}
-    assert {"chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "preprocessor_config.json"} <= copied
+    assert {
+        "chat_template.jinja",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+    } <= copied
 
 
 def allow_bf16_loads(rel: str) -> dict[str, bool]:
@@ -300,8 +353,17 @@ def test_unquantized_tensor_dtypes_are_what_exllamav3_writes(tmp_path):
     linear = allow_bf16_loads("modules/linear.py")
     assert not linear["key + '.weight'"] and not linear["k + '.weight'"]
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
-    kept = ("embed_tokens.weight", "layernorm.weight", "language_model.norm.weight", "q_norm.weight",
-            "k_norm.weight", "conv1d.weight", "A_log", "dt_bias", "linear_attn.norm.weight")
+    kept = (
+        "embed_tokens.weight",
+        "layernorm.weight",
+        "language_model.norm.weight",
+        "q_norm.weight",
+        "k_norm.weight",
+        "conv1d.weight",
+        "A_log",
+        "dt_bias",
+        "linear_attn.norm.weight",
+    )
     with safe_open(str(tmp_path / "t" / "exl3" / "model.safetensors"), "pt") as f:
         for key in (k for k in f.keys() if "visual" not in k):
             dtype = str(f.get_slice(key).get_dtype())

@@ -12,12 +12,21 @@ import pytest
 import torch
 
 from helpers import APHRODITE_VERSION, ROOT, by_id, exl3_linear_layer, needs_aphrodite, run_status
-
 from hybrid_exl3_fixes.exl3 import codec, dispatch
 
 KERNELS = ROOT / ".cache" / "aphrodite-kernels"
-LIBRARY = {"0.20.0": "_C.abi3.so", "0.21.0": "_C.abi3.so", "0.24.1": "_C_stable_libtorch.abi3.so"}
-EXPECTED = {"0.20.0": dispatch.CODEBOOK_BLIND, "0.21.0": dispatch.CODEBOOK_BLIND, "0.24.1": dispatch.CODEBOOK_KEYED}
+# Where each release keeps its EXL3 GEMM and what its dispatch is (read from the wheels: 0.22.0 moved
+# the kernels to _C_fork, 0.23.0 to _C_stable_libtorch, 0.24.0 keyed the autotuner on the codebook)
+LIBRARY = {
+    "0.20.0": "_C.abi3.so",
+    "0.21.0": "_C.abi3.so",
+    "0.22.0": "_C_fork.abi3.so",
+    "0.23.0": "_C_stable_libtorch.abi3.so",
+    "0.24.0": "_C_stable_libtorch.abi3.so",
+    "0.24.1": "_C_stable_libtorch.abi3.so",
+}
+BLIND, KEYED = dispatch.CODEBOOK_BLIND, dispatch.CODEBOOK_KEYED
+EXPECTED = {"0.20.0": BLIND, "0.21.0": BLIND, "0.22.0": BLIND, "0.23.0": BLIND, "0.24.0": KEYED, "0.24.1": KEYED}
 
 
 def kernel_library(version: str) -> Path:
@@ -28,6 +37,7 @@ def kernel_library(version: str) -> Path:
 
 
 # -- the static probe on the real binaries ---------------------------------------------------
+
 
 @pytest.mark.parametrize("version", sorted(EXPECTED))
 def test_kernel_dispatch_is_read_from_the_real_binaries(version):
@@ -58,6 +68,7 @@ def test_library_with_an_unknown_exl3_dispatch_is_drift(tmp_path):
 
 # -- the registry entry, in fresh processes ------------------------------------------------------
 
+
 @needs_aphrodite
 def test_status_without_compiled_kernels_is_not_applicable():
     # the unpacked CI tree has no .so files: nothing to patch, and nothing to worry about
@@ -70,7 +81,7 @@ def test_status_without_compiled_kernels_is_not_applicable():
 @needs_aphrodite
 def test_status_with_the_real_kernel_library(aphrodite_copy):
     """The copy of the installed aphrodite gets its release's real kernel library: P3 is
-    APPLIED on 0.20/0.21 (codebook-blind cache) and UPSTREAM_FIXED on 0.24.1 -- and the other
+    APPLIED on 0.20-0.23 (codebook-blind cache) and UPSTREAM_FIXED from 0.24.0 -- and the other
     patches still report as before with a _C that cannot load on this CPU machine."""
     lib = kernel_library(APHRODITE_VERSION)
     (aphrodite_copy / "aphrodite" / lib.name).symlink_to(lib)
@@ -166,7 +177,9 @@ def test_other_bitrates_and_shapes_are_other_keys(plan):
 
 
 def test_fused_gate_up_takes_mgemm_and_claims_nothing(plan):
-    method, layer = loaded(plan, "model.layers.0.mlp.gate_up_proj", {0: linear("mul1", 256, 512), 1: linear("mul1", 256, 512, seed=1)})
+    method, layer = loaded(
+        plan, "model.layers.0.mlp.gate_up_proj", {0: linear("mul1", 256, 512), 1: linear("mul1", 256, 512, seed=1)}
+    )
     assert layer.exl3_can_mgemm and layer.exl3_mgemm_mode == "gate_up"
     assert plan.plan_layer(method, layer, BLIND) == {} and plan.PLANNER.owners == {}
 
@@ -203,8 +216,13 @@ def test_any_load_order_leaves_one_codebook_per_key_on_the_cached_path():
     entry is its owner's codebook whichever layer runs first."""
     import itertools
 
-    layers = [("a", (512, 256, 4), "mcg"), ("b", (512, 256, 4), "mul1"), ("c", (512, 256, 4), "3inst"),
-              ("d", (512, 256, 3), "mul1"), ("e", (512, 256, 4), "mcg")]
+    layers = [
+        ("a", (512, 256, 4), "mcg"),
+        ("b", (512, 256, 4), "mul1"),
+        ("c", (512, 256, 4), "3inst"),
+        ("d", (512, 256, 3), "mul1"),
+        ("e", (512, 256, 4), "mcg"),
+    ]
     for order in itertools.permutations(layers):
         planner = dispatch.Planner()
         native = {}
@@ -217,6 +235,7 @@ def test_any_load_order_leaves_one_codebook_per_key_on_the_cached_path():
 
 # -- reading the runtime probe and choosing launches ----------------------------------------------
 
+
 def test_read_probe():
     right = {"forced_3inst": 5e-4, "forced_mcg": 5e-4, "forced_mul1": 5e-4}
     blind = dispatch.read_probe({"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right})
@@ -227,12 +246,16 @@ def test_read_probe():
     assert odd.codebook_blind is None and "neither" in odd.detail
     broken = dispatch.read_probe({"first": 1.2, "second": 1.6, "second_vs_first": 5e-4, **right})
     assert broken.codebook_blind is None
-    wrong_forced = dispatch.read_probe({"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right, "forced_mul1": 1.6})
+    wrong_forced = dispatch.read_probe(
+        {"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right, "forced_mul1": 1.6}
+    )
     assert wrong_forced.codebook_blind is True and not wrong_forced.forced_ok
 
 
 @pytest.mark.parametrize("cc", ["ampere", "ada", "hopper", "blackwell"])
-@pytest.mark.parametrize("k,n", [(5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120), (256, 128), (4096, 384), (272, 640)])
+@pytest.mark.parametrize(
+    "k,n", [(5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120), (256, 128), (4096, 384), (272, 640)]
+)
 @pytest.mark.parametrize("K", [2, 3, 4, 8])
 def test_forced_launch_tiles_the_layer(cc, k, n, K):
     shape, sms = dispatch.forced_launch(cc, k, n, K, 132)
@@ -245,9 +268,13 @@ def test_forced_launch_for_untileable_output():
 
 
 def test_compute_class():
-    assert [dispatch.compute_class(*cc) for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)]] == \
-        ["ampere", "ampere", "ada", "hopper", "blackwell"]
-
+    assert [dispatch.compute_class(*cc) for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)]] == [
+        "ampere",
+        "ampere",
+        "ada",
+        "hopper",
+        "blackwell",
+    ]
 
 
 def test_a_probe_that_raises_routes_nothing_and_warns_once(plan, monkeypatch, caplog):
@@ -257,7 +284,9 @@ def test_a_probe_that_raises_routes_nothing_and_warns_once(plan, monkeypatch, ca
     from types import SimpleNamespace
 
     monkeypatch.setattr(plan, "VERDICTS", {})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=8, minor=6, multi_processor_count=84))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=8, minor=6, multi_processor_count=84)
+    )
     monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     calls = []

@@ -31,12 +31,21 @@ def repro():
 def fused_gdn_layer(exl3, method, device="meta"):
     """A GDN in_proj_qkvz as aphrodite loads it without LoRA: the checkpoint's in_proj_qkv as shard
     (0, 1, 2) and in_proj_z as shard 3, through aphrodite's own weight loader (meta tensors)."""
-    def shard(fin, fout):
-        return {"trellis": torch.zeros(fin // 16, fout // 16, 64, dtype=torch.int16),
-                "suh": torch.zeros(fin, dtype=torch.float16), "svh": torch.zeros(fout, dtype=torch.float16)}
 
-    return exl3_linear_layer(exl3, method, "language_model.model.layers.0.linear_attn.in_proj_qkvz",
-                             {(0, 1, 2): shard(256, 1024), 3: shard(256, 512)}, device=device)
+    def shard(fin, fout):
+        return {
+            "trellis": torch.zeros(fin // 16, fout // 16, 64, dtype=torch.int16),
+            "suh": torch.zeros(fin, dtype=torch.float16),
+            "svh": torch.zeros(fout, dtype=torch.float16),
+        }
+
+    return exl3_linear_layer(
+        exl3,
+        method,
+        "language_model.model.layers.0.linear_attn.in_proj_qkvz",
+        {(0, 1, 2): shard(256, 1024), 3: shard(256, 512)},
+        device=device,
+    )
 
 
 @needs_aphrodite
@@ -47,7 +56,7 @@ def test_unpatched_apply_hands_inductor_a_bare_cat_in_float16(overlay):
 
     ops = p4.ops_of_fp16_fused_apply(exl3.Exl3LinearMethod.apply)
     assert ops.count("aphrodite.exl3_linear_one.default") == 2
-    after = [op for op in ops[ops.index("aten.cat.default"):] if op not in p4.VIEW_OPS]
+    after = [op for op in ops[ops.index("aten.cat.default") :] if op not in p4.VIEW_OPS]
     assert after == ["aten.cat.default"], ops  # no cast between the cat and whatever splits it
     assert p4.probe_fp16_fused_cat({p4.APPLY.key: overlay.REGISTRY._resolve(p4.APPLY)})
 
@@ -68,8 +77,11 @@ def test_overlay_joins_float16_shards_behind_an_op_boundary(overlay):
     ops = p4.ops_of_fp16_fused_apply(exl3.Exl3LinearMethod.apply)
     assert "hybrid_exl3_fixes.cat_last_dim.default" in ops and "aten.cat.default" not in ops
     after = method.apply(layer, x)
-    assert (after.shape, after.dtype, after.stride()) == (before.shape, before.dtype, before.stride()) == \
-        ((2, 3, 1536), torch.float16, (4608, 1536, 1))
+    assert (
+        (after.shape, after.dtype, after.stride())
+        == (before.shape, before.dtype, before.stride())
+        == ((2, 3, 1536), torch.float16, (4608, 1536, 1))
+    )
     assert overlay.undo_all() == ["P4"] and exl3.Exl3LinearMethod.apply is original
 
 
@@ -108,9 +120,13 @@ def test_inductor_folds_split_of_cat_and_the_overlay_join_keeps_the_strides():
     r = repro()
     plain = r.run(64, fp16=True)
     if not plain["mismatches"]:
-        pytest.skip(f"torch {torch.__version__} keeps the split outputs' strides: P4 is harmless but no longer needed "
-                    "for this torch (its probe looks at aphrodite's apply, which still hands Inductor the pattern)")
-    assert plain["mismatches"] == ["submod_2 input: got stride (384, 128, 1) expected (1024, 128, 1) (shape (64, 3, 128))"]
+        pytest.skip(
+            f"torch {torch.__version__} keeps the split outputs' strides: P4 is harmless but no longer needed "
+            "for this torch (its probe looks at aphrodite's apply, which still hands Inductor the pattern)"
+        )
+    assert plain["mismatches"] == [
+        "submod_2 input: got stride (384, 128, 1) expected (1024, 128, 1) (shape (64, 3, 128))"
+    ]
     assert not math.isfinite(plain["max_abs_diff"]) or plain["max_abs_diff"] > 1e-2
     assert r.run(64, fp16=True, config_patches={"pattern_matcher": False})["mismatches"] == []  # the rewrite does it
     for result in (r.run(64, fp16=False), r.run(64, fp16=True, join=cat_last_dim())):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,15 +30,30 @@ def test_every_package_directory_is_listed():
 
 
 def test_wheel_contents_and_entry_points(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True)
+    # built from a copy: ci/test.sh runs this file in several lanes at once, and setuptools writes build/
+    # and *.egg-info/ into the tree it builds
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("overlay", "build_stubs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    wheel_cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    subprocess.run([*wheel_cmd, str(src)], check=True, capture_output=True)
     wheel = next(tmp_path.glob("hybrid_exl3_fixes-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("hybrid_exl3_fixes/__init__.py", "hybrid_exl3_fixes/registry.py", "hybrid_exl3_fixes/cli.py",
-                   "hybrid_exl3_fixes/doctor.py", "hybrid_exl3_fixes/exl3/codec.py", "hybrid_exl3_fixes/exl3/tiny.py",
-                   "hybrid_exl3_fixes/build_stubs/builder.py",
-                   "hybrid_exl3_fixes/aphrodite/model_executor/layers/quantization/exl3.py",
-                   "hybrid_exl3_fixes/aphrodite/lora/layers/utils.py", "hybrid_exl3_fixes/aphrodite/lora/layers/base_linear.py"):
+    for module in (
+        "hybrid_exl3_fixes/__init__.py",
+        "hybrid_exl3_fixes/registry.py",
+        "hybrid_exl3_fixes/cli.py",
+        "hybrid_exl3_fixes/doctor.py",
+        "hybrid_exl3_fixes/exl3/codec.py",
+        "hybrid_exl3_fixes/exl3/tiny.py",
+        "hybrid_exl3_fixes/build_stubs/builder.py",
+        "hybrid_exl3_fixes/aphrodite/model_executor/layers/quantization/exl3.py",
+        "hybrid_exl3_fixes/aphrodite/lora/layers/utils.py",
+        "hybrid_exl3_fixes/aphrodite/lora/layers/base_linear.py",
+    ):
         assert module in names, module
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

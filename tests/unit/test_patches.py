@@ -54,6 +54,7 @@ def exl3_base_layer():
 
 # -- P1 -------------------------------------------------------------------------------------
 
+
 @needs_buggy
 def test_p1_unpatched_fails_with_upstream_error(overlay):
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
@@ -108,6 +109,7 @@ def test_p1_patches_the_class_so_existing_instances_see_it(overlay):
 
 # -- P2 / P2b -------------------------------------------------------------------------------
 
+
 @needs_buggy
 def test_p2_unpatched_fails_with_upstream_error(overlay):
     from aphrodite.lora.layers.base_linear import BaseLinearLayerWithLoRA
@@ -158,11 +160,16 @@ def _dense_base():
 
 # -- registry behaviour on the real modules -------------------------------------------------
 
+
 @needs_buggy
 def test_probes_report_the_bugs_and_apply_clears_them(overlay):
     results = [r for r in overlay.apply_all() if r.patch.id != "P3"]  # P3: test_p3_gemm_cache.py
-    assert [(r.patch.id, r.status.value) for r in results] == [("P1", "APPLIED"), ("P2", "APPLIED"), ("P2b", "APPLIED"),
-                                                               ("P4", "APPLIED")]
+    assert [(r.patch.id, r.status.value) for r in results] == [
+        ("P1", "APPLIED"),
+        ("P2", "APPLIED"),
+        ("P2b", "APPLIED"),
+        ("P4", "APPLIED"),
+    ]
     # the registry re-probes after patching; here the probes are asked directly as well
     from hybrid_exl3_fixes.registry import Registry
 
@@ -232,14 +239,22 @@ def test_fixed_release_is_left_alone(overlay):
     from aphrodite.lora.layers import base_linear, fused_moe, utils
     from aphrodite.model_executor.layers.quantization import exl3
 
-    before = (vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], utils._get_lora_device,
-              base_linear._get_lora_device, fused_moe._get_lora_device)
+    before = (
+        vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"],
+        utils._get_lora_device,
+        base_linear._get_lora_device,
+        fused_moe._get_lora_device,
+    )
     results = {r.patch.id: r for r in overlay.apply_all()}
     assert results["P1"].status.value == "UPSTREAM_FIXED", results["P1"].reason
     assert results["P2"].status.value == "UPSTREAM_FIXED", results["P2"].reason
     assert results["P1"].replaced == [] and results["P2"].replaced == []
-    after = (vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], utils._get_lora_device,
-             base_linear._get_lora_device, fused_moe._get_lora_device)
+    after = (
+        vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"],
+        utils._get_lora_device,
+        base_linear._get_lora_device,
+        fused_moe._get_lora_device,
+    )
     assert all(a is b for a, b in zip(before, after))
     # P2b and P4 are still needed there (0.24.1 has the same weight property and the same apply)
     assert results["P2b"].status.value == results["P4"].status.value == "APPLIED"

@@ -14,8 +14,16 @@ import pytest
 import spawn_worker
 
 from helpers import (
-    APHRODITE_VERSION, HAS_UPSTREAM_BUGS, NO_KERNELS, ROOT, aphrodite_site, by_id, needs_aphrodite, needs_buggy,
-    run_status, subprocess_env,
+    APHRODITE_VERSION,
+    HAS_UPSTREAM_BUGS,
+    NO_KERNELS,
+    ROOT,
+    aphrodite_site,
+    by_id,
+    needs_aphrodite,
+    needs_buggy,
+    run_status,
+    subprocess_env,
 )
 
 
@@ -50,8 +58,13 @@ print(json.dumps({
 
 @needs_aphrodite
 def test_aphrodite_load_general_plugins_applies_the_overlay():
-    proc = subprocess.run([sys.executable, "-c", LOADER_SCRIPT], env=subprocess_env(aphrodite_site()),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER_SCRIPT],
+        env=subprocess_env(aphrodite_site()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     if HAS_UPSTREAM_BUGS:
@@ -97,6 +110,7 @@ def test_spawned_process_unpickles_then_gets_the_patch(monkeypatch):
 
 # -- drift ------------------------------------------------------------------------------------
 
+
 def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
     text = path.read_text()
     assert text.count(old) >= count, f"{old!r} not in {path}"
@@ -105,7 +119,9 @@ def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
 
 def _check_untouched(site: Path, expressions: list[str]) -> None:
     """In a fresh process on the copy: apply, then each expression must be an untagged original."""
-    checks = "\n".join(f"assert getattr(({e}), '__hybrid_exl3_fixes_patch__', None) is None, {e!r}" for e in expressions)
+    checks = "\n".join(
+        f"assert getattr(({e}), '__hybrid_exl3_fixes_patch__', None) is None, {e!r}" for e in expressions
+    )
     script = f"""
 import hybrid_exl3_fixes as overlay
 overlay.apply_all()
@@ -114,7 +130,9 @@ from aphrodite.model_executor.layers.quantization import exl3
 {checks}
 print("UNTOUCHED")
 """
-    proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(site), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=subprocess_env(site), capture_output=True, text=True, timeout=300
+    )
     assert "UNTOUCHED" in proc.stdout, proc.stderr
 
 
@@ -128,14 +146,19 @@ def test_renamed_target_is_drifted_and_left_alone(aphrodite_copy):
     p = by_id(report)
     assert p["P2"]["status"] == "DRIFTED" and "has no _get_lora_device" in p["P2"]["reason"]
     assert p["P1"]["status"] == "APPLIED"  # the other patches still apply
-    _check_untouched(aphrodite_copy, ["utils._lora_device_for", "base_linear._lora_device_for", "fused_moe._lora_device_for"])
+    _check_untouched(
+        aphrodite_copy, ["utils._lora_device_for", "base_linear._lora_device_for", "fused_moe._lora_device_for"]
+    )
 
 
 @needs_buggy
 def test_binding_site_that_stopped_importing_by_name_is_drifted(aphrodite_copy):
     base_linear = aphrodite_copy / "aphrodite" / "lora" / "layers" / "base_linear.py"
-    _edit(base_linear, "from .utils import _get_lora_device",
-          "from .utils import _get_lora_device as _upstream_device\n\n\ndef _get_lora_device(layer):\n    return _upstream_device(layer)")
+    _edit(
+        base_linear,
+        "from .utils import _get_lora_device",
+        "from .utils import _get_lora_device as _upstream_device\n\n\ndef _get_lora_device(layer):\n    return _upstream_device(layer)",  # noqa: E501 (the exact text)
+    )
     code, report = run_status(aphrodite_copy)
     assert code == 1
     assert by_id(report)["P2"]["status"] == "DRIFTED"
@@ -156,7 +179,8 @@ def test_changed_signature_is_drifted_and_left_alone(aphrodite_copy):
     reason = _p1_drift_after(
         aphrodite_copy,
         "        output_partition_sizes: list[int],\n    ) -> list[str | int | tuple[int, ...] | None]:",
-        "        output_partition_sizes: list[int],\n        lora: bool = False,\n    ) -> list[str | int | tuple[int, ...] | None]:")
+        "        output_partition_sizes: list[int],\n        lora: bool = False,\n    ) -> list[str | int | tuple[int, ...] | None]:",  # noqa: E501 (the exact text)
+    )
     assert "lora" in reason, reason
     _check_untouched(aphrodite_copy, ["exl3.Exl3LinearMethod._shard_ids_for_layer"])
 
@@ -166,7 +190,8 @@ def test_unknown_probe_answer_is_drifted(aphrodite_copy):
     reason = _p1_drift_after(
         aphrodite_copy,
         "        return list(range(len(output_partition_sizes)))\n\n\nclass Exl3MoEMethod",
-        "        return [str(i) for i in range(len(output_partition_sizes))]\n\n\nclass Exl3MoEMethod")
+        "        return [str(i) for i in range(len(output_partition_sizes))]\n\n\nclass Exl3MoEMethod",
+    )
     assert "probe" in reason, reason
 
 
@@ -179,8 +204,9 @@ PYTHON_PATCHES = [p for p in PATCHES if "\ndiff --git a/aphrodite/" in p.read_te
 
 
 def _git_apply(site: Path, patch: Path, check: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "apply", *(["--check"] if check else []), str(patch)], cwd=site,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["git", "apply", *(["--check"] if check else []), str(patch)], cwd=site, capture_output=True, text=True
+    )
 
 
 @needs_aphrodite
@@ -200,21 +226,35 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
     # The overlay's own probes now find nothing to fix in the patched sources.
     code, report = run_status(aphrodite_copy)
     assert code == 0
-    assert {p["id"]: p["status"] for p in report["patches"]} == {"P1": "UPSTREAM_FIXED", "P2": "UPSTREAM_FIXED",
-                                                                 "P2b": "UPSTREAM_FIXED", "P3": NO_KERNELS,
-                                                                 "P4": "UPSTREAM_FIXED"}
+    assert {p["id"]: p["status"] for p in report["patches"]} == {
+        "P1": "UPSTREAM_FIXED",
+        "P2": "UPSTREAM_FIXED",
+        "P2b": "UPSTREAM_FIXED",
+        "P3": NO_KERNELS,
+        "P4": "UPSTREAM_FIXED",
+    }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "upstream")],
-                          env=subprocess_env(aphrodite_copy, HYBRID_EXL3_FIXES_UPSTREAM_MODE="raw"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "upstream")],
+        env=subprocess_env(aphrodite_copy, HYBRID_EXL3_FIXES_UPSTREAM_MODE="raw"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 @needs_buggy
 def test_upstream_tests_fail_on_the_unpatched_release():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "upstream")],
-                          env=subprocess_env(aphrodite_site(), HYBRID_EXL3_FIXES_UPSTREAM_MODE="raw"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "upstream")],
+        env=subprocess_env(aphrodite_site(), HYBRID_EXL3_FIXES_UPSTREAM_MODE="raw"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
     tail = proc.stdout.strip().splitlines()[-1]
     assert " failed" in tail and "passed" in tail, tail  # the fixed cases fail, the unchanged ones pass

@@ -67,16 +67,36 @@ def test_compare_served_lines_up_prompt_and_generated_positions():
 
 
 def test_served_response_parsing():
-    choice = {"prompt_token_ids": [3, 4], "token_ids": [7, 8],
-              "prompt_logprobs": [None, {"4": {"logprob": -1.5, "rank": 2, "decoded_token": "x"},
-                                         "6": {"logprob": -0.5, "rank": 1, "decoded_token": "y"}}],
-              "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.1, -2.0],
-                           "top_logprobs": [{"token_id:7": -0.1, "token_id:1": -3.0}, {"token_id:2": -0.3}]}}
+    choice = {
+        "prompt_token_ids": [3, 4],
+        "token_ids": [7, 8],
+        "prompt_logprobs": [
+            None,
+            {
+                "4": {"logprob": -1.5, "rank": 2, "decoded_token": "x"},
+                "6": {"logprob": -0.5, "rank": 1, "decoded_token": "y"},
+            },
+        ],
+        "logprobs": {
+            "tokens": ["token_id:7", "token_id:8"],
+            "token_logprobs": [-0.1, -2.0],
+            "top_logprobs": [{"token_id:7": -0.1, "token_id:1": -3.0}, {"token_id:2": -0.3}],
+        },
+    }
     got = served_completion(choice)
-    assert got == {"prompt_ids": [3, 4], "ids": [7, 8], "prompt": [None, {4: -1.5, 6: -0.5}],
-                   "generated": [{7: -0.1, 1: -3.0}, {2: -0.3, 8: -2.0}]}
-    content = [{"token": "token_id:9", "logprob": -0.2, "top_logprobs": [{"token": "token_id:9", "logprob": -0.2},
-                                                                          {"token": "token_id:3", "logprob": -1.9}]}]
+    assert got == {
+        "prompt_ids": [3, 4],
+        "ids": [7, 8],
+        "prompt": [None, {4: -1.5, 6: -0.5}],
+        "generated": [{7: -0.1, 1: -3.0}, {2: -0.3, 8: -2.0}],
+    }
+    content = [
+        {
+            "token": "token_id:9",
+            "logprob": -0.2,
+            "top_logprobs": [{"token": "token_id:9", "logprob": -0.2}, {"token": "token_id:3", "logprob": -1.9}],
+        }
+    ]
     assert served_chat_logprobs(content) == [{9: -0.2, 3: -1.9}]
     assert token_id("token_id:123") == 123
 

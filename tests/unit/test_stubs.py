@@ -12,11 +12,14 @@ import pytest
 from hybrid_exl3_fixes.build_stubs import BuildError, build_stubs, cuda_prefixes, find_cuda_headers
 from hybrid_exl3_fixes.build_stubs.builder import driver_symbols
 
-pytestmark = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("readelf")),
-                                reason="needs gcc and readelf (apt-get install gcc binutils)")
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("gcc") and shutil.which("readelf")), reason="needs gcc and readelf (apt-get install gcc binutils)"
+)
 SYSTEM_PATH = "/usr/bin:/bin"
 REAL_HEADERS = find_cuda_headers(cuda_prefixes(dict(os.environ), Path("/")), Path("/"))
-needs_header = pytest.mark.skipif(not REAL_HEADERS, reason="no real cuda.h here (CUDA toolkit, nvidia-cuda-runtime or triton)")
+needs_header = pytest.mark.skipif(
+    not REAL_HEADERS, reason="no real cuda.h here (CUDA toolkit, nvidia-cuda-runtime or triton)"
+)
 
 
 def make_lib(path: Path, soname: str, cuinit_returns: int = 34) -> Path:
@@ -121,8 +124,9 @@ def test_real_header_symbols():
 @needs_header
 def test_ld_library_path_shadowing_is_warned(tmp_path):
     out = tmp_path / "out"
-    result = build_stubs(out, env=env(CUDA_HOME=str(Path(REAL_HEADERS[0]).parent.parent),
-                                      LD_LIBRARY_PATH=f"/usr/lib:{out}"))
+    result = build_stubs(
+        out, env=env(CUDA_HOME=str(Path(REAL_HEADERS[0]).parent.parent), LD_LIBRARY_PATH=f"/usr/lib:{out}")
+    )
     assert any("LD_LIBRARY_PATH holds a libcuda stub folder" in w for w in result.warnings)
 
 
@@ -162,7 +166,9 @@ def test_output_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
     assert [p.name for p in busy.iterdir()] == ["libcuda.so.1"] and a_file.read_text() == "x"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits; the read-only case needs a normal user")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes through permission bits; the read-only case needs a normal user"
+)
 def test_read_only_target_is_refused(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()

@@ -21,9 +21,16 @@ def tiny(tmp_path_factory):
 
 def test_layout_and_quantization_config(tiny):
     dest, manifest = tiny
-    for name in ("exl3/config.json", "exl3/quantization_config.json", "exl3/model.safetensors",
-                 "exl3/tokenizer.json", "dense/model.safetensors", "lora-a/adapter_config.json",
-                 "lora-b/adapter_model.safetensors", "manifest.json"):
+    for name in (
+        "exl3/config.json",
+        "exl3/quantization_config.json",
+        "exl3/model.safetensors",
+        "exl3/tokenizer.json",
+        "dense/model.safetensors",
+        "lora-a/adapter_config.json",
+        "lora-b/adapter_model.safetensors",
+        "manifest.json",
+    ):
         assert (dest / name).is_file(), name
     cfg = json.loads((dest / "exl3" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
@@ -42,7 +49,7 @@ def test_tensor_storage_matches_the_safetensors(tiny):
     tensors = load_file(str(dest / "exl3" / "model.safetensors"))
     plain = {k: v for k, v in storage.items() if "quant_format" not in v}
     assert "model.language_model.layers.0.linear_attn.in_proj_a" in plain and "lm_head" in plain
-    for prefix, entry in plain.items():
+    for entry in plain.values():
         assert all(list(tensors[n].shape) == i["shape"] for n, i in entry["stored_tensors"].items())
     for prefix, entry in storage.items():
         if prefix in plain:
@@ -64,12 +71,18 @@ def test_tensor_storage_matches_the_safetensors(tiny):
 
 # name suffix -> dtype in a bfloat16 checkpoint (the default) and in a --dtype float16 one
 DTYPE_RULES = {
-    "embed_tokens.weight": ("bfloat16", "float16"), "layernorm.weight": ("bfloat16", "float16"),
-    "language_model.norm.weight": ("bfloat16", "float16"), "conv1d.weight": ("bfloat16", "float16"),
-    "q_norm.weight": ("bfloat16", "float16"), "in_proj_a.weight": ("float16", "float16"),
-    "lm_head.weight": ("float16", "float16"), "linear_attn.dt_bias": ("bfloat16", "bfloat16"),
-    "linear_attn.A_log": ("bfloat16", "bfloat16"), "linear_attn.norm.weight": ("bfloat16", "bfloat16"),
-    ".suh": ("float16", "float16"), ".trellis": ("int16", "int16"),
+    "embed_tokens.weight": ("bfloat16", "float16"),
+    "layernorm.weight": ("bfloat16", "float16"),
+    "language_model.norm.weight": ("bfloat16", "float16"),
+    "conv1d.weight": ("bfloat16", "float16"),
+    "q_norm.weight": ("bfloat16", "float16"),
+    "in_proj_a.weight": ("float16", "float16"),
+    "lm_head.weight": ("float16", "float16"),
+    "linear_attn.dt_bias": ("bfloat16", "bfloat16"),
+    "linear_attn.A_log": ("bfloat16", "bfloat16"),
+    "linear_attn.norm.weight": ("bfloat16", "bfloat16"),
+    ".suh": ("float16", "float16"),
+    ".trellis": ("int16", "int16"),
 }
 
 
@@ -106,24 +119,35 @@ def test_chat_template_and_generation_config(tiny):
         gen = json.loads((dest / folder / "generation_config.json").read_text())
         assert gen["eos_token_id"] == [506, 504] and gen["top_k"] == 20
     tok = AutoTokenizer.from_pretrained(dest / "exl3")
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello"},
-                {"role": "user", "content": [{"type": "text", "text": "this: "}, {"type": "image"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello"},
+        {"role": "user", "content": [{"type": "text", "text": "this: "}, {"type": "image"}]},
+    ]
     off = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     on = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-    assert off == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                   "<|im_start|>assistant\nHello<|im_end|>\n"  # history reasoning dropped
-                   "<|im_start|>user\nthis: <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
-                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello<|im_end|>\n"  # history reasoning dropped
+        "<|im_start|>user\nthis: <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert on == off[: -len("<think>\n\n</think>\n\n")]
     ids = tok.apply_chat_template(messages[1:2], add_generation_prompt=True, enable_thinking=False, return_dict=False)
     assert ids[-6:] == [507, 198, 198, 508, 198, 198]  # <think> \n \n </think> \n \n: single tokens
     # a tool turn after the last user query keeps its reasoning
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
-    turn = [{"role": "user", "content": "time?"},
-            {"role": "assistant", "reasoning_content": "ask the clock", "content": "",
-             "tool_calls": [{"function": {"name": "now", "arguments": {}}}]},
-            {"role": "tool", "content": "12:00"}]
+    turn = [
+        {"role": "user", "content": "time?"},
+        {
+            "role": "assistant",
+            "reasoning_content": "ask the clock",
+            "content": "",
+            "tool_calls": [{"function": {"name": "now", "arguments": {}}}],
+        },
+        {"role": "tool", "content": "12:00"},
+    ]
     text = tok.apply_chat_template(turn, tools=tools, tokenize=False, add_generation_prompt=True)
     assert '"name": "now"' in text and "<think>\nask the clock\n</think>" in text
     assert "<tool_response>\n12:00\n</tool_response><|im_end|>" in text
@@ -223,8 +247,13 @@ def test_no_dense_writes_the_same_exl3_checkpoint(tmp_path, tiny):
     """--no-dense (benchmarks) leaves out dense/ and nothing else: the EXL3 tensors are the same."""
     dest, _ = tiny
     write_tiny(tmp_path / "n", TinySpec(bits=3, codebook="mixed", seed=1), dense=False)
-    assert sorted(p.name for p in (tmp_path / "n").iterdir()) == sorted(p.name for p in dest.iterdir() if p.name != "dense")
-    a, b = load_file(str(dest / "exl3" / "model.safetensors")), load_file(str(tmp_path / "n" / "exl3" / "model.safetensors"))
+    assert sorted(p.name for p in (tmp_path / "n").iterdir()) == sorted(
+        p.name for p in dest.iterdir() if p.name != "dense"
+    )
+    a, b = (
+        load_file(str(dest / "exl3" / "model.safetensors")),
+        load_file(str(tmp_path / "n" / "exl3" / "model.safetensors")),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -241,8 +270,10 @@ def test_make_tiny_failures_are_one_line_and_leave_nothing(tmp_path, capsys, mon
     (tmp_path / "file").write_text("x")
     target = {"under a file": tmp_path / "file" / "m", "a file": tmp_path / "file", "full disk": tmp_path / "m"}[where]
     if where == "full disk":
+
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
+
         monkeypatch.setattr(safetensors.torch, "save_file", full)
     assert main(["make-tiny", str(target), "--no-dense"]) == 2
     err = capsys.readouterr().err.strip()

@@ -20,27 +20,42 @@ if importlib.util.find_spec("aphrodite") is None:
 elif OVERLAY_MODE:
     import hybrid_exl3_fixes
 
-    UPSTREAM_FIXED = [f"{r.patch.id} ({r.patch.upstream})" for r in hybrid_exl3_fixes.apply_all()
-                      if r.status.value == "UPSTREAM_FIXED"]
+    UPSTREAM_FIXED = [
+        f"{r.patch.id} ({r.patch.upstream})"
+        for r in hybrid_exl3_fixes.apply_all()
+        if r.status.value == "UPSTREAM_FIXED"
+    ]
 
 
 # The overlay fixes P3 where layers are planned at load time, not in the kernel op this drop-in
 # test calls: on a codebook-blind build (P3 APPLIED) the op-level test must still fail.
-P3_APPLIED = OVERLAY_MODE and importlib.util.find_spec("aphrodite") is not None and any(
-    r.patch.id == "P3" and r.status.value == "APPLIED" for r in hybrid_exl3_fixes.REGISTRY.results.values())
+P3_APPLIED = (
+    OVERLAY_MODE
+    and importlib.util.find_spec("aphrodite") is not None
+    and any(r.patch.id == "P3" and r.status.value == "APPLIED" for r in hybrid_exl3_fixes.REGISTRY.results.values())
+)
 
 
 def pytest_collection_modifyitems(config, items):
     if P3_APPLIED:
         for item in items:
             if "test_exl3_gemm_codebook" in str(item.fspath):
-                item.add_marker(pytest.mark.xfail(strict=True, reason=(
-                    "codebook-blind exl3_gemm (P3 APPLIED): the overlay routes conflicting layers at load "
-                    "time; the op itself is fixed only by patches/0004")))
+                item.add_marker(
+                    pytest.mark.xfail(
+                        strict=True,
+                        reason=(
+                            "codebook-blind exl3_gemm (P3 APPLIED): the overlay routes conflicting layers at load "
+                            "time; the op itself is fixed only by patches/0004"
+                        ),
+                    )
+                )
     if not UPSTREAM_FIXED:
         return
-    skip = pytest.mark.skip(reason="the installed aphrodite fixed " + ", ".join(UPSTREAM_FIXED)
-                            + " its own way; these tests describe patches/ for 0.20/0.21")
+    skip = pytest.mark.skip(
+        reason="the installed aphrodite fixed "
+        + ", ".join(UPSTREAM_FIXED)
+        + " its own way; these tests describe patches/ for 0.20/0.21"
+    )
     for item in items:
         if "tests/upstream/" in str(item.fspath):
             item.add_marker(skip)

@@ -6,6 +6,7 @@ from torch._inductor.virtualized import V as _V
 
 print("original constrain_to_fx_strides:", _lowering.constrain_to_fx_strides)
 
+
 def _patched(fx_node, *args, **kwargs):
     def apply_constraint(arg, fx_arg):
         if isinstance(arg, _ir.IRNode):
@@ -17,8 +18,10 @@ def _patched(fx_node, *args, **kwargs):
         if isinstance(arg, dict):
             return {key: apply_constraint(arg[key], fx_arg[key]) for key in arg}
         return arg
+
     args = tuple(apply_constraint(arg, fx_arg) for arg, fx_arg in zip(args, fx_node.args))
     kwargs = {k: apply_constraint(v, fx_node.kwargs[k]) for k, v in kwargs.items()}
     return args, kwargs
+
 
 _lowering.constrain_to_fx_strides = _patched

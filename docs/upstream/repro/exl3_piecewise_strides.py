@@ -22,6 +22,7 @@ compiled-vs-eager difference. Result on torch 2.13 (CPU):
 - --fp16 --opaque-cat: strides match, difference 0.0.
 On the H200 the same mismatch is the illegal memory access of docs/upstream/exl3-compiled-illegal-address.md.
 The unit suite imports ``run`` (tests/unit/test_p4_fp16_cat_split.py)."""
+
 from __future__ import annotations
 
 import inspect
@@ -31,7 +32,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-Q, Z, H, D = 640, 384, 3, 128     # qkv 640 (=2*128+384), z = value_dim 384 = 3 heads x 128
+Q, Z, H, D = 640, 384, 3, 128  # qkv 640 (=2*128+384), z = value_dim 384 = 3 heads x 128
 _OPS: dict[str, object] = {}
 
 
@@ -50,7 +51,7 @@ def _ops():
 
     @torch.library.custom_op("hxf_repro::core", mutates_args=["out"])
     def core(qkv: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(qkv[:, Q - Z:].reshape(out.shape))
+        out.copy_(qkv[:, Q - Z :].reshape(out.shape))
 
     @core.register_fake
     def _(qkv, out):
@@ -110,18 +111,27 @@ def piecewise_backend(records: list[str], config_patches: dict):
         for name, sub in list(split.named_children()):
             if any(n.op == "call_function" and n.target in targets for n in sub.graph.nodes):
                 continue
-            ins = [n.meta["example_value"] if "example_value" in n.meta else n.meta.get("val")
-                   for n in sub.graph.nodes if n.op == "placeholder"]
+            ins = [
+                n.meta["example_value"] if "example_value" in n.meta else n.meta.get("val")
+                for n in sub.graph.nodes
+                if n.op == "placeholder"
+            ]
             oargs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
             oargs = [oargs] if isinstance(oargs, torch.fx.Node) else oargs
             outs = [a.meta.get("example_value", a.meta.get("val")) if hasattr(a, "meta") else None for a in oargs]
-            compiled = torch._inductor.standalone_compile(sub, ins, dynamic_shapes="from_graph",
-                                                          options={"config_patches": {"size_asserts": False, **config_patches}})
+            compiled = torch._inductor.standalone_compile(
+                sub,
+                ins,
+                dynamic_shapes="from_graph",
+                options={"config_patches": {"size_asserts": False, **config_patches}},
+            )
 
             def run(*args, _c=compiled, _n=name, _outs=outs, _ins=ins):
                 for a, m in zip(args, _ins):
                     if isinstance(a, torch.Tensor) and isinstance(m, torch.Tensor) and a.stride() != m.stride():
-                        records.append(f"{_n} input: got stride {a.stride()} expected {m.stride()} (shape {tuple(a.shape)})")
+                        records.append(
+                            f"{_n} input: got stride {a.stride()} expected {m.stride()} (shape {tuple(a.shape)})"
+                        )
                 res = _c(*args)
                 for r, m in zip(res if isinstance(res, (tuple, list)) else [res], _outs):
                     if isinstance(r, torch.Tensor) and isinstance(m, torch.Tensor):
@@ -137,8 +147,9 @@ def piecewise_backend(records: list[str], config_patches: dict):
     return backend
 
 
-def run(n: int = 64, fp16: bool = False, opaque_cat: bool = False, config_patches: dict | None = None,
-        join=None) -> dict:
+def run(
+    n: int = 64, fp16: bool = False, opaque_cat: bool = False, config_patches: dict | None = None, join=None
+) -> dict:
     """Compile and run the pattern once; returns {"records": [...], "mismatches": [...], "max_abs_diff": float}.
     ``join``: what joins the two GEMM outputs (default torch.cat, or this script's custom op with ``opaque_cat``)."""
     torch._dynamo.reset()
@@ -146,14 +157,22 @@ def run(n: int = 64, fp16: bool = False, opaque_cat: bool = False, config_patche
     join = join or (_ops()["cat"] if opaque_cat else (lambda ts: torch.cat(ts, dim=-1)))
     f = model(dtype, join)
     gen = torch.Generator().manual_seed(0)
-    args = [torch.randn(n, 256, generator=gen), torch.randn(256, Q, generator=gen) / 16,
-            torch.randn(256, Z, generator=gen) / 16, torch.ones(D), torch.randn(H * D, 256, generator=gen) / 16]
+    args = [
+        torch.randn(n, 256, generator=gen),
+        torch.randn(256, Q, generator=gen) / 16,
+        torch.randn(256, Z, generator=gen) / 16,
+        torch.ones(D),
+        torch.randn(H * D, 256, generator=gen) / 16,
+    ]
     torch._dynamo.mark_dynamic(args[0], 0)
     ref = f(*args)
     records: list[str] = []
     got = torch.compile(f, backend=piecewise_backend(records, config_patches or {}), fullgraph=True)(*args)
-    return {"records": records, "mismatches": [r for r in records if "got stride" in r],
-            "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
+    return {
+        "records": records,
+        "mismatches": [r for r in records if "got stride" in r],
+        "max_abs_diff": (got.float() - ref.float()).abs().max().item(),
+    }
 
 
 if __name__ == "__main__":

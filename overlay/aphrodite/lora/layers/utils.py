@@ -76,7 +76,9 @@ def fake_exl3_layer(device: str = "cpu") -> torch.nn.Module:
         param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         param.exl3_tensors = {}
         layer.register_parameter(name, param)
-    layer.trellis.exl3_tensors[(0, 1, 2)] = torch.empty(1, 1, 16, dtype=torch.int16, device=device)  # only its device is read
+    layer.trellis.exl3_tensors[(0, 1, 2)] = torch.empty(
+        1, 1, 16, dtype=torch.int16, device=device
+    )  # only its device is read
     return layer
 
 

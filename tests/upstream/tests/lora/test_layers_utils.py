@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-
 from aphrodite.lora.layers import base_linear, fused_moe, utils
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from aphrodite.model_executor.layers.quantization.exl3 import Exl3Config, Exl3LinearMethod
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
 
@@ -33,11 +32,14 @@ def fused_in_proj_qkvz():
         return SimpleNamespace(exl3_tensors={shard: make() for shard in ((0, 1, 2), 3)})
 
     return SimpleNamespace(
-        exl3_can_mgemm=False, exl3_shard_ids=[(0, 1, 2), 3],
-        mcg=SimpleNamespace(exl3_tensors={}), mul1=SimpleNamespace(exl3_tensors={}),
+        exl3_can_mgemm=False,
+        exl3_shard_ids=[(0, 1, 2), 3],
+        mcg=SimpleNamespace(exl3_tensors={}),
+        mul1=SimpleNamespace(exl3_tensors={}),
         trellis=store(lambda: torch.empty(16, 8, 64, dtype=torch.int16, device="meta")),
         suh=store(lambda: torch.empty(256, dtype=torch.float16, device="meta")),
-        svh=store(lambda: torch.empty(128, dtype=torch.float16, device="meta")))
+        svh=store(lambda: torch.empty(128, dtype=torch.float16, device="meta")),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -48,5 +50,5 @@ def test_fused_shard_outputs_are_not_a_bare_cat(dtype):
         out = method.apply(layer, x)
     assert out.shape == (4, 256) and out.dtype == dtype
     last_kernel = max(i for i, op in enumerate(record.ops) if "exl3_linear_one" in op)
-    produced = [op for op in record.ops[last_kernel + 1:] if op not in VIEWS]
+    produced = [op for op in record.ops[last_kernel + 1 :] if op not in VIEWS]
     assert produced[-1] != "aten.cat.default", record.ops

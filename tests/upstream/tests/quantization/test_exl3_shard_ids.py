@@ -8,7 +8,6 @@ and qwen3_5.py loads the fused checkpoint tensor with the single shard id (0, 1,
 from types import SimpleNamespace
 
 import pytest
-
 from aphrodite.model_executor.layers.quantization.exl3 import Exl3Config, Exl3LinearMethod
 
 

@@ -40,7 +40,7 @@ How:     Python cannot reach the C++ cache, so the plan is made at load time, pe
          One WARNING per process names the first routed layer; the rest are logged at INFO.
 Upstream: not reported before this project; report draft and fix in
          docs/upstream/exl3-gemm-codebook-cache.md and patches/0004-exl3-gemm-cache-codebook.patch.
-         aphrodite-engine 0.24.1 keys its replacement autotuner on the codebook
+         aphrodite-engine 0.24.0 (and 0.24.1) keys its replacement autotuner on the codebook
          (``gemm_autotune_hash(..., cb)``): the probe reports UPSTREAM_FIXED there.
 Retire when: the oldest supported aphrodite-engine is 0.24.x.
 
@@ -66,7 +66,7 @@ How:     For float16 input to a layer with several shards and no fused mgemm ker
          produced its output: a bare ``aten.cat`` is the bug.
 Upstream: not reported before this project; report and diff in
          docs/upstream/exl3-compiled-illegal-address.md and patches/0005-exl3-fp16-cat-split.patch.
-         Present in 0.20.0, 0.21.0 and 0.24.1 (the same ``apply``).
+         Present in every release from 0.20.0 to 0.24.1 (the same ``apply``; CPU suite).
 Retire when: aphrodite joins EXL3 shard outputs where Inductor cannot fold them (the probe then
          reports UPSTREAM_FIXED), or PyTorch's rewrite keeps the split outputs' strides.
 """
@@ -161,8 +161,11 @@ def build_load_time_plan(live: dict[str, Live]) -> dict[str, Any]:
         try:
             plan_layer(self, layer)
         except Exception:  # never fail a load that upstream would have finished
-            logger.warning("hybrid-exl3-fixes: P3 could not plan %s; it keeps aphrodite's own path",
-                           getattr(layer, "prefix", type(layer).__name__), exc_info=True)
+            logger.warning(
+                "hybrid-exl3-fixes: P3 could not plan %s; it keeps aphrodite's own path",
+                getattr(layer, "prefix", type(layer).__name__),
+                exc_info=True,
+            )
 
     return {PROCESS_WEIGHTS.key: tag("P3", process_weights_after_loading, original)}
 
@@ -186,8 +189,9 @@ def small_batch_gemm_shards(layer) -> list:
     return list(layer.exl3_shard_ids)
 
 
-def plan_layer(method, layer, verdict: dispatch.ProbeVerdict | None = None, device_class: str = "hopper",
-               device_sms: int = 132) -> dict:
+def plan_layer(
+    method, layer, verdict: dispatch.ProbeVerdict | None = None, device_class: str = "hopper", device_sms: int = 132
+) -> dict:
     """Claim this layer's exl3_gemm keys; route the shards whose key another codebook owns.
     Returns the routes {shard id: (force_shape_idx, force_num_sms)}, (0, 0) = reconstruct path."""
     if verdict is None:
@@ -197,10 +201,14 @@ def plan_layer(method, layer, verdict: dispatch.ProbeVerdict | None = None, devi
     name = getattr(layer, "prefix", "") or type(layer).__name__
 
     def entries(shards):
-        return [(s, dispatch.gemm_key(tuple(layer.trellis.exl3_tensors[s].shape)), codebook_of(layer, s)) for s in shards]
+        return [
+            (s, dispatch.gemm_key(tuple(layer.trellis.exl3_tensors[s].shape)), codebook_of(layer, s)) for s in shards
+        ]
 
     shards = small_batch_gemm_shards(layer)
-    if getattr(layer, "exl3_can_mgemm", False) and any(PLANNER.conflicts_with(key, cb) for _, key, cb in entries(shards)):
+    if getattr(layer, "exl3_can_mgemm", False) and any(
+        PLANNER.conflicts_with(key, cb) for _, key, cb in entries(shards)
+    ):
         # q of a fused qkv conflicts: q, k and v each take the per-shard path, planned below
         layer.exl3_can_mgemm = False
         shards = list(layer.exl3_shard_ids)
@@ -222,8 +230,10 @@ def plan_layer(method, layer, verdict: dispatch.ProbeVerdict | None = None, devi
 def _report_route(label: str, codebook: str, key, owner, route) -> None:
     global _warned
     how = f"uncached kernel launch (shape {route[0]}, {route[1]} SMs)" if route[0] else "reconstruct path"
-    what = (f"{label} ({codebook}, {key[0]} -> {key[1]}, {key[2]} bits) shares aphrodite's small-batch "
-            f"GEMM cache key with {owner[1]} ({owner[0]}); routed to the {how}")
+    what = (
+        f"{label} ({codebook}, {key[0]} -> {key[1]}, {key[2]} bits) shares aphrodite's small-batch "
+        f"GEMM cache key with {owner[1]} ({owner[0]}); routed to the {how}"
+    )
     if _warned:
         logger.info("hybrid-exl3-fixes: P3: %s", what)
         return
@@ -231,7 +241,9 @@ def _report_route(label: str, codebook: str, key, owner, route) -> None:
     logger.warning(
         "hybrid-exl3-fixes: P3: EXL3 layers of one shape and bitrate use different codebooks in this "
         "process, and aphrodite's <= 32-row GEMM would run them all with the first one's kernel "
-        "(docs/upstream/exl3-gemm-codebook-cache.md). %s. Further routed layers are logged at INFO.", what)
+        "(docs/upstream/exl3-gemm-codebook-cache.md). %s. Further routed layers are logged at INFO.",
+        what,
+    )
 
 
 def _routed_apply_one(self, layer, x, shard_id):
@@ -239,8 +251,16 @@ def _routed_apply_one(self, layer, x, shard_id):
     if route is None:
         return type(self)._apply_one(self, layer, x, shard_id)
     mcg, mul1 = CODEBOOK_FLAGS[codebook_of(layer, shard_id)]
-    return routed_linear()(x, layer.trellis.exl3_tensors[shard_id], layer.suh.exl3_tensors[shard_id],
-                           layer.svh.exl3_tensors[shard_id], mcg, mul1, route[0], route[1])
+    return routed_linear()(
+        x,
+        layer.trellis.exl3_tensors[shard_id],
+        layer.suh.exl3_tensors[shard_id],
+        layer.svh.exl3_tensors[shard_id],
+        mcg,
+        mul1,
+        route[0],
+        route[1],
+    )
 
 
 _ROUTED_OP = None
@@ -255,7 +275,6 @@ def routed_linear():
     if _ROUTED_OP is not None:
         return _ROUTED_OP
     import torch
-
     from aphrodite import _custom_ops as ops
 
     def exl3_linear_routed(x, trellis, suh, svh, mcg, mul1, shape_idx, num_sms):
@@ -273,9 +292,13 @@ def routed_linear():
         return output
 
     op = torch.library.custom_op(
-        "hybrid_exl3_fixes::exl3_linear_routed", exl3_linear_routed, mutates_args=(), device_types="cuda",
+        "hybrid_exl3_fixes::exl3_linear_routed",
+        exl3_linear_routed,
+        mutates_args=(),
+        device_types="cuda",
         schema="(Tensor x, Tensor trellis, Tensor suh, Tensor svh, bool mcg, bool mul1, int shape_idx, "
-               "int num_sms) -> Tensor")
+        "int num_sms) -> Tensor",
+    )
 
     @op.register_fake
     def _(x, trellis, suh, svh, mcg, mul1, shape_idx, num_sms):
@@ -302,15 +325,25 @@ def device_verdict(device) -> tuple[dispatch.ProbeVerdict, str, int]:
         VERDICTS[index] = verdict  # asked once per process and device, whatever the answer
         if verdict.codebook_blind:
             PLANNER.claim(PROBE_SHAPE, "mcg", "the hybrid-exl3-fixes probe")
-            logger.info("hybrid-exl3-fixes: P3 probe on cuda:%d: the <= 32-row EXL3 GEMM keeps the first codebook "
-                        "per shape; uncached launch %s (%s)", index, "right" if verdict.forced_ok else "WRONG",
-                        verdict.detail)
+            logger.info(
+                "hybrid-exl3-fixes: P3 probe on cuda:%d: the <= 32-row EXL3 GEMM keeps the first codebook "
+                "per shape; uncached launch %s (%s)",
+                index,
+                "right" if verdict.forced_ok else "WRONG",
+                verdict.detail,
+            )
         elif verdict.codebook_blind is None:
-            logger.warning("hybrid-exl3-fixes: P3 probe on cuda:%d gave no clear answer, so no layer is routed: %s",
-                           index, verdict.detail)
+            logger.warning(
+                "hybrid-exl3-fixes: P3 probe on cuda:%d gave no clear answer, so no layer is routed: %s",
+                index,
+                verdict.detail,
+            )
         else:
-            logger.info("hybrid-exl3-fixes: P3 probe on cuda:%d: the EXL3 GEMM honours each codebook; nothing to "
-                        "route (%s)", index, verdict.detail)
+            logger.info(
+                "hybrid-exl3-fixes: P3 probe on cuda:%d: the EXL3 GEMM honours each codebook; nothing to route (%s)",
+                index,
+                verdict.detail,
+            )
     return verdict, device_class, props.multi_processor_count
 
 
@@ -318,9 +351,9 @@ def measure_gemm_cache(index: int, device_class: str, device_sms: int) -> dict[s
     """Run the probe's GEMMs on cuda:<index>; returns relative errors for dispatch.read_probe.
     References come from aphrodite's own reconstruct path (more than 32 rows), which decodes
     every codebook right."""
+    import aphrodite.model_executor.layers.quantization.exl3  # noqa: F401 - registers the op
     import torch
 
-    import aphrodite.model_executor.layers.quantization.exl3  # noqa: F401 - registers the op
     from hybrid_exl3_fixes.exl3 import codec
 
     k, n, K = PROBE_SHAPE
@@ -337,8 +370,11 @@ def measure_gemm_cache(index: int, device_class: str, device_sms: int) -> dict[s
     ref = {cb: linear(x_big, trellis, suh, svh, *flags)[:PROBE_ROWS] for cb, flags in CODEBOOK_FLAGS.items()}
     first = linear(x, trellis, suh, svh, *CODEBOOK_FLAGS["mcg"])
     second = linear(x, trellis, suh, svh, *CODEBOOK_FLAGS["mul1"])
-    errors = {"first": rel(first, ref["mcg"]), "second": rel(second, ref["mul1"]),
-              "second_vs_first": rel(second, ref["mcg"])}
+    errors = {
+        "first": rel(first, ref["mcg"]),
+        "second": rel(second, ref["mul1"]),
+        "second_vs_first": rel(second, ref["mcg"]),
+    }
     launch = dispatch.forced_launch(device_class, k, n, K, device_sms)
     for cb, flags in CODEBOOK_FLAGS.items():
         errors[f"forced_{cb}"] = rel(routed_linear()(x, trellis, suh, svh, *flags, *launch), ref[cb])
@@ -350,7 +386,7 @@ PATCH_P3 = Patch(
     slug="exl3-gemm-codebook-cache",
     title="EXL3 <= 32-row GEMM keeps the first codebook per shape (mixed-codebook processes)",
     upstream="docs/upstream/exl3-gemm-codebook-cache.md (not reported upstream before this project)",
-    fixed_in="0.24.1",
+    fixed_in="0.24.0",
     retire_when="the oldest supported aphrodite-engine is 0.24.x",
     targets=(PROCESS_WEIGHTS,),
     probe=probe_codebook_blind_gemm_cache,
@@ -377,8 +413,9 @@ def cat_last_dim():
     def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors, dim=-1)
 
-    op = torch.library.custom_op("hybrid_exl3_fixes::cat_last_dim", cat, mutates_args=(),
-                                 schema="(Tensor[] tensors) -> Tensor")
+    op = torch.library.custom_op(
+        "hybrid_exl3_fixes::cat_last_dim", cat, mutates_args=(), schema="(Tensor[] tensors) -> Tensor"
+    )
 
     @op.register_fake
     def _(tensors):
@@ -391,24 +428,27 @@ def cat_last_dim():
 def _probe_layer(torch):
     """A two-shard EXL3 linear on the meta device (a GDN in_proj_qkvz as aphrodite builds it: the
     checkpoint's in_proj_qkv as one (0, 1, 2) shard and in_proj_z as shard 3), no mgemm."""
+
     def store(make):
         return types.SimpleNamespace(exl3_tensors={shard: make() for shard in ((0, 1, 2), 3)})
 
     return types.SimpleNamespace(
-        prefix="language_model.model.layers.0.linear_attn.in_proj_qkvz", exl3_can_mgemm=False,
-        exl3_shard_ids=[(0, 1, 2), 3], mcg=types.SimpleNamespace(exl3_tensors={}),
+        prefix="language_model.model.layers.0.linear_attn.in_proj_qkvz",
+        exl3_can_mgemm=False,
+        exl3_shard_ids=[(0, 1, 2), 3],
+        mcg=types.SimpleNamespace(exl3_tensors={}),
         mul1=types.SimpleNamespace(exl3_tensors={}),
         trellis=store(lambda: torch.empty(8, 8, 64, dtype=torch.int16, device="meta")),
         suh=store(lambda: torch.empty(128, dtype=torch.float16, device="meta")),
-        svh=store(lambda: torch.empty(128, dtype=torch.float16, device="meta")))
+        svh=store(lambda: torch.empty(128, dtype=torch.float16, device="meta")),
+    )
 
 
 def ops_of_fp16_fused_apply(apply) -> list[str]:
     """The ops the live ``Exl3LinearMethod.apply`` dispatches for float16 input to a two-shard layer."""
+    import aphrodite.model_executor.layers.quantization.exl3 as exl3
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
     class Record(TorchDispatchMode):
         def __init__(self):
@@ -433,7 +473,7 @@ def probe_fp16_fused_cat(live: dict[str, Live]) -> bool:
     kernels = [i for i, op in enumerate(ops) if "exl3" in op and not op.startswith("aten.")]
     if len(kernels) < 2:
         raise Drift(f"Exl3LinearMethod.apply ran {len(kernels)} EXL3 kernel(s) for a two-shard layer: {ops}")
-    produced = [op for op in ops[kernels[-1] + 1:] if op not in VIEW_OPS]
+    produced = [op for op in ops[kernels[-1] + 1 :] if op not in VIEW_OPS]
     return produced[-1:] == ["aten.cat.default"]
 
 
@@ -461,7 +501,8 @@ PATCH_P4 = Patch(
     title="fused EXL3 projection in float16: join the shard outputs where Inductor cannot fold the GDN split",
     upstream="docs/upstream/exl3-compiled-illegal-address.md (not reported upstream before this project)",
     fixed_in=None,
-    retire_when="aphrodite joins EXL3 shard outputs behind an op boundary, or PyTorch's cat/split rewrite keeps strides",
+    retire_when="aphrodite joins EXL3 shard outputs behind an op boundary, or PyTorch's cat/split rewrite keeps "
+    "strides",
     targets=(APPLY,),
     probe=probe_fp16_fused_cat,
     build=build_fp16_fused_cat,
