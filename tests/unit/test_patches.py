@@ -247,18 +247,24 @@ def test_fixed_release_is_left_alone(overlay):
     )
     results = {r.patch.id: r for r in overlay.apply_all()}
     assert results["P1"].status.value == "UPSTREAM_FIXED", results["P1"].reason
-    assert results["P2"].status.value == "UPSTREAM_FIXED", results["P2"].reason
-    assert results["P1"].replaced == [] and results["P2"].replaced == []
-    after = (
-        vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"],
-        utils._get_lora_device,
-        base_linear._get_lora_device,
-        fused_moe._get_lora_device,
-    )
-    assert all(a is b for a, b in zip(before, after))
+    assert results["P1"].replaced == []
+    assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is before[0]
+    # P2 stays for EXL3 MoE layers (#1712 fixed dense ones only), at all three binding sites; a dense
+    # layer still gets upstream's own answer
+    assert results["P2"].status.value == "APPLIED", results["P2"].reason
+    assert utils._get_lora_device is base_linear._get_lora_device is fused_moe._get_lora_device is not before[1]
+    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import fake_exl3_layer
+
+    def outcome(fn, layer):
+        try:
+            return fn(layer)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            return f"{type(exc).__name__}: {exc}"
+
+    assert outcome(before[1], fake_exl3_layer()) == outcome(utils._get_lora_device, fake_exl3_layer())
     # P2b and P4 are still needed there (0.24.1 has the same weight property and the same apply)
     assert results["P2b"].status.value == results["P4"].status.value == "APPLIED"
-    assert "hybrid-exl3-fixes: applied=2 upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
+    assert "hybrid-exl3-fixes: applied=3 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 
@@ -274,3 +280,20 @@ def test_fixed_release_still_rejects_exl3_moe_for_lora():
     moe.w2_trellis.exl3_tensors = {(0, "w2"): torch.zeros(2)}
     with pytest.raises(ValueError, match="^Unsupported base layer"):
         _get_lora_device(moe)
+
+
+@needs_aphrodite
+@pytest.mark.parametrize("routed_experts", [False, True], ids=["flat (0.20/0.21)", "routed_experts (0.22+)"])
+def test_p2_gives_exl3_moe_layers_their_device_on_every_release(overlay, routed_experts):
+    """The MoE branch the upstream fix lacks: with P2, an EXL3 MoE layer in either form gets the device
+    its expert tensors live on, at every site that bound the function, on every release."""
+    from aphrodite.lora.layers import base_linear, fused_moe, utils
+
+    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import PATCH, fake_exl3_moe_layer
+
+    layer = fake_exl3_moe_layer("meta", routed_experts=routed_experts)
+    with pytest.raises(ValueError, match="^Unsupported base layer"):  # unpatched: every release rejects it
+        utils._get_lora_device(layer)
+    assert overlay.REGISTRY.apply(PATCH).status.value == "APPLIED"
+    for site in (utils, base_linear, fused_moe):
+        assert site._get_lora_device(layer) == torch.device("meta")

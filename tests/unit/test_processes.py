@@ -71,7 +71,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"] == {"P1": "APPLIED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS, "P4": "APPLIED"}
         assert "hybrid-exl3-fixes: applied=4 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
     else:
-        assert out["results"]["P1"] == out["results"]["P2"] == "UPSTREAM_FIXED"
+        assert out["results"]["P1"] == "UPSTREAM_FIXED" and out["results"]["P2"] == "APPLIED"  # its MoE branch
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -87,8 +87,8 @@ def test_aphrodite_plugins_allowlist_without_us_is_reported():
 def test_status_cli_after_the_plugin_ran():
     code, report = run_status(aphrodite_site())
     assert code == 0 and report["loaded_by_aphrodite"] is True
-    expected = "APPLIED" if HAS_UPSTREAM_BUGS else "UPSTREAM_FIXED"
-    assert by_id(report)["P1"]["status"] == by_id(report)["P2"]["status"] == expected
+    assert by_id(report)["P1"]["status"] == ("APPLIED" if HAS_UPSTREAM_BUGS else "UPSTREAM_FIXED")
+    assert by_id(report)["P2"]["status"] == "APPLIED"  # 0.22+ still reject EXL3 MoE layers
     assert report["aphrodite"] == APHRODITE_VERSION
 
 

@@ -11,11 +11,15 @@ How:     Wrap the original: when it raises for a layer that carries EXL3 tensors
          is imported by name into ``lora/layers/base_linear.py`` and ``lora/layers/fused_moe.py``;
          replacing it in ``utils`` alone changes nothing at those call sites, so all three are
          targets, and any other aphrodite module still holding the original is replaced too.
-Upstream: https://github.com/dphnAI/sonar/pull/1712, first released in aphrodite-engine 0.22.0
-         (upstream answers the current device without looking at the tensors, and has no MoE
-         branch: docs/upstream/exl3-moe-lora-device.md).
-Retire when: the oldest supported aphrodite-engine is 0.22.0 (the probe already reports
-         UPSTREAM_FIXED there).
+         The probe asks about both kinds of EXL3 layer, a dense one (``trellis``) and a MoE one
+         (``w13_trellis``/``w2_trellis``, on the FusedMoE itself in 0.20/0.21 and on its
+         ``routed_experts`` from 0.22), and reports the bug while either is rejected.
+Upstream: https://github.com/dphnAI/sonar/pull/1712, first released in aphrodite-engine 0.22.0, fixed
+         dense EXL3 layers only (it answers the current device without looking at the tensors);
+         EXL3 MoE layers are still rejected in 0.22.0 - 0.24.1, so P2 applies there too, for them
+         (docs/upstream/exl3-moe-lora-device.md; the MoE branch of patches/0002).
+Retire when: an aphrodite release recognises EXL3 MoE layers too (the probe then reports
+         UPSTREAM_FIXED) and is the oldest supported one.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ EXL3_PLACEHOLDERS = ("trellis", "w2_trellis", "w13_trellis")
 
 
 def exl3_placeholder(layer: Any) -> Any | None:
-    """The EXL3 trellis placeholder of a linear or MoE layer, or None for a non-EXL3 layer."""
+    """The EXL3 trellis placeholder of a linear or MoE layer, or None for a non-EXL3 layer (a 0.22+
+    FusedMoE keeps its expert weights on ``routed_experts``)."""
+    layer = getattr(layer, "routed_experts", layer)
     for name in EXL3_PLACEHOLDERS:
         param = getattr(layer, name, None)
         if param is not None:
@@ -61,24 +67,45 @@ def exl3_device(layer: Any) -> torch.device | None:
     return param.device if isinstance(param, torch.Tensor) else torch.device("cpu")
 
 
-def fake_exl3_layer(device: str = "cpu") -> torch.nn.Module:
-    """A loaded EXL3 base layer as the LoRA code sees it: placeholders with one fused shard.
+def _placeholders(layer: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Plain Parameters shaped like ``Exl3Parameter`` (an empty tensor plus an ``exl3_tensors`` dict),
+    not the real class, whose constructor asks for the tensor-parallel group: plugins run in workers
+    before that group exists."""
+    import torch
 
-    Built from plain Parameters shaped like ``Exl3Parameter`` (an empty tensor plus an
-    ``exl3_tensors`` dict) rather than the real class, whose constructor asks for the
-    tensor-parallel group: plugins run in workers before that group exists.
-    """
+    for name in names:
+        param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        param.exl3_tensors = {}
+        layer.register_parameter(name, param)
+
+
+def fake_exl3_layer(device: str = "cpu") -> torch.nn.Module:
+    """A loaded EXL3 base layer as the LoRA code sees it: placeholders with one fused shard."""
     import torch
 
     layer = torch.nn.Module()
     layer.prefix = "language_model.model.layers.0.linear_attn.in_proj_qkv"
-    for name in ("suh", "svh", "trellis", "mcg", "mul1"):
-        param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
-        param.exl3_tensors = {}
-        layer.register_parameter(name, param)
-    layer.trellis.exl3_tensors[(0, 1, 2)] = torch.empty(
-        1, 1, 16, dtype=torch.int16, device=device
-    )  # only its device is read
+    _placeholders(layer, ("suh", "svh", "trellis", "mcg", "mul1"))
+    layer.trellis.exl3_tensors[(0, 1, 2)] = torch.empty(1, 1, 16, dtype=torch.int16, device=device)  # device only
+    return layer
+
+
+def fake_exl3_moe_layer(device: str = "cpu", routed_experts: bool = False) -> torch.nn.Module:
+    """A loaded EXL3 MoE layer: the expert placeholders Exl3MoEMethod registers (``w13_*``/``w2_*``) on
+    the FusedMoE itself, as 0.20/0.21 build it, or (``routed_experts``) on its ``routed_experts``, as
+    0.22+ do. The probe asks about the first form: a ``_get_lora_device`` that knows the EXL3 MoE names
+    recognises it in every release (0.22+ unwrap ``routed_experts`` first, then look at the same names)."""
+    import torch
+
+    layer = torch.nn.Module()
+    layer.prefix = "language_model.model.layers.0.mlp.experts"
+    holder = layer
+    if routed_experts:
+        holder = layer.routed_experts = torch.nn.Module()
+    _placeholders(
+        holder, tuple(f"{w}_{part}" for w in ("w13", "w2") for part in ("suh", "svh", "trellis", "mcg", "mul1"))
+    )
+    holder.w2_trellis.exl3_tensors[0] = torch.empty(1, 1, 16, dtype=torch.int16, device=device)  # device only
     return layer
 
 
@@ -102,20 +129,21 @@ def exl3_fallback(original, answer):
     return wrapper
 
 
-def probe_lora_device_for_exl3(live: dict[str, Live]) -> bool:
-    """True when the live ``_get_lora_device`` (at every binding site) rejects an EXL3 layer.
+def rejects(function, layer) -> bool:
+    """Whether ``_get_lora_device`` rejects this layer. Any other outcome means it was recognised:
+    0.22+ answers the current accelerator, which raises "no accelerator" on a CPU-only machine."""
+    try:
+        function(layer)
+        return False
+    except Exception as exc:  # noqa: BLE001 - classified here
+        return is_unsupported_layer_error(exc)
 
-    Any other outcome means the layer was recognised: 0.22+ answers the current accelerator,
-    which raises "no accelerator" on a CPU-only machine after recognising the layer.
-    """
-    layer = fake_exl3_layer()
-    answers = {}
-    for key, item in live.items():
-        try:
-            item.value(layer)
-            answers[key] = False
-        except Exception as exc:  # noqa: BLE001 - classified below
-            answers[key] = is_unsupported_layer_error(exc)
+
+def probe_lora_device_for_exl3(live: dict[str, Live]) -> bool:
+    """True when the live ``_get_lora_device`` (at every binding site) rejects a dense EXL3 layer or
+    an EXL3 MoE layer (either form)."""
+    layers = (fake_exl3_layer(), fake_exl3_moe_layer())
+    answers = {key: any(rejects(item.value, layer) for layer in layers) for key, item in live.items()}
     if len(set(answers.values())) > 1:
         raise Drift(f"binding sites disagree about EXL3 layers: {answers}")
     return next(iter(answers.values()))
@@ -131,8 +159,8 @@ PATCH = Patch(
     slug="lora-device-exl3",
     title="LoRA device for EXL3 base layers (utils, base_linear, fused_moe)",
     upstream="https://github.com/dphnAI/sonar/pull/1712",
-    fixed_in="0.22.0",
-    retire_when="the oldest supported aphrodite-engine is 0.22.0",
+    fixed_in=None,  # 0.22.0 fixed dense EXL3 layers only (#1712); MoE layers are still rejected in 0.24.1
+    retire_when="an aphrodite release recognises EXL3 MoE layers for LoRA and is the oldest supported one",
     targets=(UTILS, *BINDING_SITES),
     probe=probe_lora_device_for_exl3,
     build=build,
