@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "qwen3.6-27b"],
-        help="tiny (default) or qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks",
+        choices=["tiny", "tiny-moe", "qwen3.6-27b"],
+        help="tiny (default); tiny-moe: the tiny shape with routed experts and a shared expert (and an adapter "
+        "over the experts too); qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks",
     )
     tiny.set_defaults(func=cmd_make_tiny)
     stubs = sub.add_parser(

@@ -86,6 +86,7 @@ class Shape:
     vision: dict | None = None  # patch, merge
     declared_dtype: str | None = None
     name_or_path: str | None = None
+    moe: dict | None = None  # experts, per_token, intermediate, shared_intermediate (MoE configs)
 
     @property
     def full_layers(self) -> int:
@@ -158,6 +159,14 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
         gdn["kernel"] = text.positive_int("linear_conv_kernel_dim", required=False, hint=FIX_CONFIG) or 4
         shape.gdn = gdn if all(v is not None for v in gdn.values()) else None
     shape.max_position = text.positive_int("max_position_embeddings", required=False, hint=FIX_CONFIG)
+    if "num_experts" in text.data or "Moe" in (shape.arch or ""):
+        hint = ": the routed experts are sized from it" + FIX_CONFIG
+        shape.moe = {
+            "experts": text.positive_int("num_experts", hint=hint),
+            "per_token": text.positive_int("num_experts_per_tok", hint=hint),
+            "intermediate": text.positive_int("moe_intermediate_size", hint=hint),
+            "shared_intermediate": text.positive_int("shared_expert_intermediate_size", required=False),
+        }
     for fields in (top, text):
         for key in ("dtype", "torch_dtype"):
             declared = fields.string(key, required=False)
@@ -414,6 +423,7 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
             if not splits_into_blocks(split, tp):
                 bad.append(f"{prefix}: {split} / TP {tp} = {split / tp:g} is not a multiple of {HAD}")
                 break
+    check_exl3_experts(report, exl3, tensors)
     if bad:
         report.add(
             "BLOCK",
@@ -422,6 +432,51 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
         )
     else:
         report.add("OK", "tp-alignment", f"every EXL3 dimension splits into 128-multiples at TP={tp}")
+
+
+def codebook_of(prefix: str, entry: dict, tensors: dict) -> str:
+    if "mcg_multiplier" in entry or f"{prefix}.mcg" in tensors:
+        return "mcg"
+    if "mul1_multiplier" in entry or f"{prefix}.mul1" in tensors:
+        return "mul1"
+    return "3inst"
+
+
+def check_exl3_experts(report: Report, exl3: dict[str, dict], tensors: dict) -> None:
+    """aphrodite's EXL3 MoE kernel takes only some codebooks (mcg on 0.20-0.23, mcg and mul1 on 0.24),
+    read from the installed kernel library's own error message; an expert in another one is a BLOCK."""
+    experts = {p: codebook_of(p, e, tensors) for p, e in exl3.items() if ".experts." in p}
+    if not experts:
+        return
+    from .exl3 import dispatch
+
+    allowed, evidence = dispatch.moe_codebooks(dispatch.installed_kernel_libraries())
+    rule = allowed or frozenset({"mcg"})
+    found = sorted(set(experts.values()))
+    wrong = sorted(p for p, cb in experts.items() if cb not in rule)
+    if not wrong:
+        report.add(
+            "OK",
+            "moe-codebook",
+            f"{len(experts)} EXL3 expert projections, codebook {', '.join(found)}: "
+            f"the EXL3 MoE kernel takes {'/'.join(sorted(rule))} ({evidence})",
+        )
+        return
+    where = (
+        evidence
+        if allowed
+        else (
+            "no kernel library installed here to ask; mcg is the codebook every release "
+            "takes (0.20-0.23: mcg only, 0.24: mcg and mul1)"
+        )
+    )
+    report.add(
+        "BLOCK" if allowed else "WARN",
+        "moe-codebook",
+        f"{len(wrong)} of {len(experts)} EXL3 expert projections use codebook "
+        f"{', '.join(sorted({experts[p] for p in wrong}))} ({wrong[0]}, ...): aphrodite's EXL3 MoE kernel takes "
+        f"only {'/'.join(sorted(rule))} ({where}); quantize the experts with exllamav3's --codebook mcg",
+    )
 
 
 def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
@@ -619,6 +674,7 @@ def memory_plan(
         t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1")
     )
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
+    expert_weights = sum(t["bytes"] for n, t in tensors.items() if ".mlp.experts." in n)
     img_tokens, img_formula = image_tokens(report, folder, shape, language_model_only)
     plan = {
         "kv_bytes_per_token": kv_tok,
@@ -633,6 +689,16 @@ def memory_plan(
         "image_tokens_per_image": img_tokens,
         "image_formula": img_formula,
     }
+    if shape.moe and shape.moe["experts"] and shape.moe["per_token"]:
+        m = shape.moe
+        plan.update(
+            {
+                "expert_weight_bytes": expert_weights,
+                "active_expert_bytes_per_token": expert_weights * m["per_token"] // m["experts"],
+                "expert_formula": f"routed experts {expert_weights / GIB:.3f} GiB; {m['per_token']} of "
+                f"{m['experts']} experts read per token per layer",
+            }
+        )
     if gpu_mem:
         used_weights = weights - (vision_weights if language_model_only else 0)
         image_reserve = 0 if language_model_only else img_tokens * kv_tok
@@ -690,6 +756,11 @@ def render(report: Report) -> str:
             f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB)"
         )
         lines.append(f"  image tokens        {p['image_formula']}")
+        if "expert_formula" in p:
+            lines.append(
+                f"  experts             {p['active_expert_bytes_per_token'] / MIB:,.1f} MiB read per token = "
+                f"{p['expert_formula']}"
+            )
         if "kv_pool_bytes" in p:
             lines.append(f"  KV pool             {p['kv_pool_bytes'] / GIB:,.2f} GiB = {p['pool_formula']}")
             lines.append(

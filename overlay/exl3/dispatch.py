@@ -84,6 +84,30 @@ def classify_library(path: str | Path) -> str | None:
     return UNKNOWN_DISPATCH if b"exl3_gemm" in names else None
 
 
+# The EXL3 MoE kernel's refusal, as each release's kernel library spells it (read from the wheels):
+# 0.20.0 - 0.23.0 take mcg only, 0.24.0 and 0.24.1 mcg and mul1.
+MOE_RULES = {
+    b"MoE kernel: Only mcg codebook is currently supported": frozenset({"mcg"}),
+    b"MoE kernel: Only mcg and mul1 codebooks are supported": frozenset({"mcg", "mul1"}),
+}
+
+
+def moe_codebooks(libraries: list[Path]) -> tuple[frozenset[str] | None, str]:
+    """The codebooks the installed EXL3 MoE kernel takes, read from its own error message in the
+    library (a memory-mapped scan, ~0.1 s), and where that came from; None when no library says."""
+    import mmap
+
+    for lib in libraries:
+        try:
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                for message, codebooks in MOE_RULES.items():
+                    if data.find(message) >= 0:
+                        return codebooks, f'{lib.name}: "{message.decode()}"'
+        except (OSError, ValueError):
+            continue
+    return None, "no installed kernel library states the EXL3 MoE kernel's codebooks"
+
+
 def installed_kernel_libraries() -> list[Path]:
     """The compiled extension files of the importable aphrodite (found, not loaded)."""
     found = []

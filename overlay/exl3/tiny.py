@@ -109,14 +109,33 @@ class TinySpec:
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
     max_position: int = 4096  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
     dtype: str = "bfloat16"  # the config's dtype, as exllamav3 keeps the source model's (DTYPES)
+    # MoE (Qwen3_5MoeForConditionalGeneration) when experts > 0: every layer's MLP is a router over
+    # ``experts`` routed experts (``moe_intermediate`` wide, ``experts_per_tok`` active) plus a shared
+    # expert (``shared_intermediate``) behind a sigmoid gate, as the published Qwen3.5/3.6-35B-A3B config
+    # has it; ``intermediate`` is then unused
+    experts: int = 0
+    experts_per_tok: int = 2
+    moe_intermediate: int = 256
+    shared_intermediate: int = 256
+    expert_codebook: str = "mcg"  # aphrodite's EXL3 MoE kernel takes mcg on every release (doctor)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TinySpec:
         """Named shapes. ``qwen3.6-27b``: the Qwen3.5/3.6-27B layer dimensions (hidden 5120,
         intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
-        4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width."""
+        4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width.
+        ``tiny-moe``: the tiny shape with a MoE MLP (4 routed experts, 2 active, and a shared expert),
+        and a third adapter, ``lora-experts``, that also targets the routed experts."""
         presets = {
             "tiny": {},
+            # a tiny MoE hybrid: 4 routed experts (2 active) and a shared expert, 256 wide each
+            "tiny-moe": dict(
+                experts=4,
+                experts_per_tok=2,
+                moe_intermediate=256,
+                shared_intermediate=256,
+                adapters=("lora-a", "lora-b", "lora-experts"),
+            ),
             "qwen3.6-27b": dict(
                 hidden=5120,
                 intermediate=17408,
@@ -162,6 +181,18 @@ def _check(spec: TinySpec) -> None:
         "GDN key dim": spec.gdn_key_heads * spec.gdn_head_dim,
         "GDN value dim": spec.gdn_value_heads * spec.gdn_head_dim,
     }
+    if spec.experts:
+        if not 1 <= spec.experts_per_tok <= spec.experts:
+            raise ValueError(f"experts_per_tok must be 1..experts ({spec.experts}), got {spec.experts_per_tok}")
+        if spec.expert_codebook not in codec.CODEBOOKS:
+            raise ValueError(f"expert_codebook must be one of {codec.CODEBOOKS}, got {spec.expert_codebook!r}")
+        del split["intermediate"]
+        split.update(
+            {
+                "routed expert intermediate": spec.moe_intermediate,
+                "shared expert intermediate": spec.shared_intermediate,
+            }
+        )
     for name, size in split.items():
         if not splits_into_blocks(size, spec.tp):
             raise ValueError(
@@ -206,6 +237,16 @@ def hf_config(spec: TinySpec) -> dict:
         "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
         "dtype": spec.dtype,
     }
+    if spec.experts:  # the fields of Qwen3.5/3.6-35B-A3B's text_config (transformers' Qwen3_5MoeTextConfig)
+        del text["intermediate_size"]
+        text.update(
+            model_type="qwen3_5_moe_text",
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate,
+            shared_expert_intermediate_size=spec.shared_intermediate,
+            router_aux_loss_coef=0.001,
+        )
     # deepstack_visual_indexes and hidden_act: exllamav3's Qwen3.5 config reader requires them
     # (read_qwen3_vl_vision_config, no default), as the published Qwen3.5 configs carry them.
     vision = {
@@ -223,9 +264,11 @@ def hf_config(spec: TinySpec) -> dict:
         "deepstack_visual_indexes": [],
         "hidden_act": "gelu_pytorch_tanh",
     }
+    if spec.experts:
+        vision["model_type"] = "qwen3_5_moe_vision"
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if spec.experts else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if spec.experts else "qwen3_5",
         "text_config": text,
         "vision_config": vision,
         "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
@@ -236,6 +279,24 @@ def hf_config(spec: TinySpec) -> dict:
         "tie_word_embeddings": False,
         "dtype": spec.dtype,
     }
+
+
+def layer_projections(spec: TinySpec, kind: str) -> list[tuple[str, int, int]]:
+    """(suffix, in, out) of every EXL3 projection of one layer, in the order they are written: the
+    attention or GDN projections, then the MLP's (dense; or each routed expert's, then the shared
+    expert's)."""
+    shapes = _linear_shapes(spec)
+    wanted = "linear_attn." if kind == "linear_attention" else "self_attn."
+    out = [(s, *shapes[s]) for s in EXL3_SUFFIXES if s.startswith(wanted)]
+    if not spec.experts:
+        return out + [(s, *shapes[s]) for s in EXL3_SUFFIXES if s.startswith("mlp.")]
+    mlp = [("gate_proj", spec.hidden, None), ("up_proj", spec.hidden, None), ("down_proj", None, spec.hidden)]
+    for owner, width in [
+        *((f"mlp.experts.{e}", spec.moe_intermediate) for e in range(spec.experts)),
+        ("mlp.shared_expert", spec.shared_intermediate),
+    ]:
+        out += [(f"{owner}.{name}", fin or width, fout or width) for name, fin, fout in mlp]
+    return out
 
 
 def _linear_shapes(spec: TinySpec) -> dict[str, tuple[int, int]]:
@@ -477,6 +538,9 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
         else:
             state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
             state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
+        if spec.experts:  # the router and the shared expert's gate: unquantized linears (float16, as exllamav3)
+            state[p + "mlp.gate.weight"] = rnd(spec.experts, spec.hidden, std=0.5)
+            state[p + "mlp.shared_expert_gate.weight"] = rnd(1, spec.hidden, std=0.1)
     return state
 
 
@@ -487,19 +551,16 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     exl3_state = dict(base)
     dense_state = {k: v.to(torch.float32) for k, v in base.items()}
     storage: dict[str, dict] = {}
-    shapes = _linear_shapes(spec)
     codebooks: dict[str, str] = {}
-    projections = [
-        (n, suffix)
-        for n, kind in enumerate(spec.layer_types)
-        for suffix in EXL3_SUFFIXES
-        if suffix.startswith(("linear_attn." if kind == "linear_attention" else "self_attn.", "mlp."))
-    ]
-    for index, (n, suffix) in enumerate(progress(projections, "EXL3 projections")):
+    projections = [(n, *p) for n, kind in enumerate(spec.layer_types) for p in layer_projections(spec, kind)]
+    index = 0  # the codebook cycle of --codebook mixed runs over the projections that are not routed experts
+    for n, suffix, fin, fout in progress(projections, "EXL3 projections"):
         prefix = f"model.language_model.layers.{n}.{suffix}"
-        cb = spec.codebook_for(index)
+        if ".experts." in suffix:
+            cb = spec.expert_codebook
+        else:
+            cb, index = spec.codebook_for(index), index + 1
         codebooks[prefix] = cb
-        fin, fout = shapes[suffix]
         tensors = codec.random_exl3_linear(fin, fout, spec.bits, cb, gen, device=device)
         if dense:
             dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
@@ -516,6 +577,8 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
             entry["mcg_multiplier"] = codec.MCG_MULT
         storage[prefix] = entry
 
+    if dense and spec.experts:
+        fuse_experts(dense_state, spec, torch)
     # exllamav3 lists every leaf module in tensor_storage, unquantized ones with stored_tensors only
     modules = {k.rsplit(".", 1)[0] for k in exl3_state}
     leaves = {m for m in modules if not any(o.startswith(m + ".") for o in modules)}
@@ -544,7 +607,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     adapters = {}
     for a, name in enumerate(spec.adapters):
         adapters[name] = _write_adapter(
-            tmp / name, spec, shapes, torch, save_file, torch.Generator().manual_seed(spec.seed * 1000 + a + 1)
+            tmp / name, spec, torch, save_file, torch.Generator().manual_seed(spec.seed * 1000 + a + 1)
         )
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
@@ -566,6 +629,20 @@ def progress(items: list, what: str):
     return tqdm(items, desc=f"make-tiny: {what}", unit="", delay=2, file=sys.stderr, leave=False)
 
 
+def fuse_experts(dense_state: dict, spec: TinySpec, torch) -> None:
+    """The dense twin's routed experts in transformers' layout (Qwen3_5MoeExperts): per layer one
+    ``mlp.experts.gate_up_proj`` (experts, 2 x intermediate, hidden), gate rows first, and one
+    ``mlp.experts.down_proj`` (experts, hidden, intermediate), from the per-expert weights."""
+    for n in range(len(spec.layer_types)):
+        p = f"model.language_model.layers.{n}.mlp.experts"
+        take = [
+            {w: dense_state.pop(f"{p}.{e}.{w}.weight") for w in ("gate_proj", "up_proj", "down_proj")}
+            for e in range(spec.experts)
+        ]
+        dense_state[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t["gate_proj"], t["up_proj"]]) for t in take])
+        dense_state[f"{p}.down_proj"] = torch.stack([t["down_proj"] for t in take])
+
+
 def stored_tensor_info(state: dict, prefix: str) -> dict:
     """tensor_storage's ``stored_tensors`` for one module, in exllamav3's form (dtype as ``str(torch dtype)``)."""
     return {
@@ -575,18 +652,17 @@ def stored_tensor_info(state: dict, prefix: str) -> dict:
     }
 
 
-def _write_adapter(dest: Path, spec: TinySpec, shapes, torch, save_file, gen) -> list[str]:
+def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[str]:
+    """A PEFT LoRA adapter over the EXL3 projections named in ``spec.lora_targets``. In a MoE model the
+    routed experts are left out, except by the adapter named ``lora-experts`` (keys per expert, the
+    form aphrodite's LoRA loader reads expert adapters in; transformers' fused experts have no such
+    modules, so it has no HF + PEFT reference: it exists to be refused or served by aphrodite)."""
     dest.mkdir()
     state = {}
+    with_experts = dest.name == "lora-experts"
     for n, kind in enumerate(spec.layer_types):
-        for suffix, (fin, fout) in shapes.items():
-            module = suffix.split(".")[-1]
-            if module not in spec.lora_targets:
-                continue
-            if not (
-                suffix.startswith("mlp.")
-                or suffix.startswith("linear_attn." if kind == "linear_attention" else "self_attn.")
-            ):
+        for suffix, fin, fout in layer_projections(spec, kind):
+            if suffix.split(".")[-1] not in spec.lora_targets or (".experts." in suffix and not with_experts):
                 continue
             key = f"base_model.model.model.language_model.layers.{n}.{suffix}"
             state[key + ".lora_A.weight"] = (torch.randn(spec.lora_rank, fin, generator=gen) / fin**0.5).to(

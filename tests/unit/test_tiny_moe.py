@@ -1,0 +1,164 @@
+"""The tiny MoE hybrid (make-tiny --preset tiny-moe, issue 17): a Qwen3_5MoeForConditionalGeneration
+with routed experts and a shared expert, experts in EXL3 mcg. Its names and tensor_storage against
+exllamav3's sources (read with ast), its dense twin against transformers, its EXL3 experts against
+aphrodite's own Exl3Config, and doctor's MoE checks."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT, needs_aphrodite
+from hybrid_exl3_fixes.exl3 import codec
+from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+SOURCES = sorted((ROOT / ".cache" / "exllamav3").glob("*/exllamav3"))
+EXL = SOURCES[-1] if SOURCES else None
+needs_exllamav3 = pytest.mark.skipif(not SOURCES, reason="exllamav3 sources not fetched (bash ci/exllamav3-source.sh)")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("moe") / "m"
+    manifest = write_tiny(dest, TinySpec.preset("tiny-moe"))
+    return dest, manifest
+
+
+def test_config_and_exl3_layout(moe):
+    dest, manifest = moe
+    cfg = json.loads((dest / "exl3" / "config.json").read_text())
+    text = cfg["text_config"]
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and cfg["model_type"] == "qwen3_5_moe"
+    assert text["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in text
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"],
+            text["shared_expert_intermediate_size"]) == (4, 2, 256, 256)
+    storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    layer0 = {k.split("layers.0.", 1)[1]: v for k, v in storage.items() if ".layers.0." in k}
+    experts = [f"mlp.experts.{e}.{w}" for e in range(4) for w in ("gate_proj", "up_proj", "down_proj")]
+    shared = [f"mlp.shared_expert.{w}" for w in ("gate_proj", "up_proj", "down_proj")]
+    for name in experts + shared:
+        assert layer0[name]["quant_format"] == "exl3", name
+    assert all(manifest["codebooks"][f"model.language_model.layers.0.{e}"] == "mcg" for e in experts)
+    for name in ("mlp.gate", "mlp.shared_expert_gate"):  # router and shared gate stay plain linears
+        assert "quant_format" not in layer0[name]
+    tensors = load_file(str(dest / "exl3" / "model.safetensors"))
+    assert tensors["model.language_model.layers.0.mlp.gate.weight"].shape == (4, 256)
+    assert tensors["model.language_model.layers.0.mlp.gate.weight"].dtype == torch.float16
+    assert tensors["model.language_model.layers.0.mlp.experts.3.down_proj.trellis"].shape == (16, 16, 64)
+    assert len(manifest["exl3_modules"]) == 3 * 3 + 4 + 4 * (4 * 3 + 3)
+
+
+def test_dense_twin_loads_in_transformers_with_fused_experts(moe):
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    dest, _ = moe
+    model, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(dest / "dense", output_loading_info=True)
+    assert not any(info.values()), info
+    exl3 = load_file(str(dest / "exl3" / "model.safetensors"))
+    dense = load_file(str(dest / "dense" / "model.safetensors"))
+    p = "model.language_model.layers.1.mlp.experts"
+
+    def decoded(e, w):
+        parts = {k.rsplit(".", 1)[1]: v for k, v in exl3.items() if k.startswith(f"{p}.{e}.{w}.")}
+        return codec.dense_weight(parts, 4).t()
+
+    assert torch.equal(dense[f"{p}.gate_up_proj"][2], torch.cat([decoded(2, "gate_proj"), decoded(2, "up_proj")]))
+    assert torch.equal(dense[f"{p}.down_proj"][3], decoded(3, "down_proj"))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all()
+
+
+def test_adapters_leave_the_experts_out_except_lora_experts(moe):
+    dest, _ = moe
+    for name in ("lora-a", "lora-b", "lora-experts"):
+        keys = load_file(str(dest / name / "adapter_model.safetensors")).keys()
+        has_experts = any(".mlp.experts." in k for k in keys)
+        assert has_experts == (name == "lora-experts"), name
+        assert any(".mlp.shared_expert.gate_proj.lora_A" in k for k in keys)
+        assert any(".linear_attn.in_proj_qkv.lora_B" in k for k in keys)
+
+
+@needs_exllamav3
+def test_expert_names_and_unquantized_gates_match_exllamav3(moe):
+    """exllamav3's qwen3_5.py builds the MoE MLP as BlockSparseMLP(key_up="experts.{expert_idx}.up_proj",
+    key_routing_gate="gate", key_shared_gate="shared_expert_gate", shared_experts=GatedMLP(key=...
+    ".mlp.shared_expert")), and block_sparse_mlp.py builds the routing and shared gates with qmap=None."""
+    tree = ast.parse((EXL / "architecture" / "qwen3_5.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "BlockSparseMLP")
+    kwargs = {k.arg: k.value for k in call.keywords}
+    strings = {k: v.value for k, v in kwargs.items() if isinstance(v, ast.Constant)}
+    assert strings["key_gate"] == "experts.{expert_idx}.gate_proj" and strings["key_down"] == "experts.{expert_idx}.down_proj"
+    assert strings["key_routing_gate"] == "gate" and strings["key_shared_gate"] == "shared_expert_gate"
+    shared = kwargs["shared_experts"]
+    assert ast.unparse(next(k.value for k in shared.keywords if k.arg == "key")).endswith(".mlp.shared_expert'")
+    block = ast.parse((EXL / "modules" / "block_sparse_mlp.py").read_text())
+    gates = [n for n in ast.walk(block) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Linear"
+             and any(k.arg == "key" and ("key_routing_gate" in ast.unparse(k.value) or "key_shared_gate" in ast.unparse(k.value))
+                     for k in n.keywords)]
+    assert len(gates) == 2 and all(any(k.arg == "qmap" and ast.unparse(k.value) == "None" for k in g.keywords) for g in gates)
+    dest, _ = moe
+    storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    for e in range(4):
+        name = strings["key_up"].format(expert_idx=e)
+        assert storage[f"model.language_model.layers.2.mlp.{name}"]["quant_format"] == "exl3"
+
+
+@needs_exllamav3
+def test_exllamav3_reads_the_moe_checkpoint(moe):
+    from test_exllamav3_layout import READ_WITH_EXLLAMAV3
+
+    dest, _ = moe
+    proc = subprocess.run([sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(dest / "exl3")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert read == {"config": "Qwen3_5VLMoeConfig", "model": "Qwen3_5VLMoeModel", "hidden": 256, "layers": 4,
+                    "vision": True}
+
+
+@needs_aphrodite
+def test_aphrodite_sees_exl3_experts(moe):
+    """aphrodite's own Exl3Config, given the checkpoint's tensor_storage, treats every layer's experts as
+    an EXL3 MoE (Exl3MoEMethod) and the shared expert's fused gate/up as an EXL3 linear."""
+    from aphrodite.model_executor.layers.quantization.exl3 import Exl3Config
+
+    dest, _ = moe
+    q = json.loads((dest / "exl3" / "quantization_config.json").read_text())
+    config = Exl3Config(bits=4.0, head_bits=None, tensor_storage=q["tensor_storage"])
+    assert config.has_moe_tensors()
+    for n in range(4):
+        assert config._moe_prefix_is_exl3(f"language_model.model.layers.{n}.mlp.experts")
+        assert config._linear_prefix_is_exl3(f"language_model.model.layers.{n}.mlp.shared_expert.gate_up_proj")
+        assert not config._linear_prefix_is_exl3(f"language_model.model.layers.{n}.mlp.gate")
+
+
+@pytest.mark.parametrize("version, codebook, expected", [
+    ("0.21.0", "mcg", "OK"), ("0.21.0", "mul1", "BLOCK"), ("0.21.0", "3inst", "BLOCK"),
+    ("0.24.1", "mul1", "OK"), ("0.24.1", "3inst", "BLOCK"), (None, "mul1", "WARN"), (None, "mcg", "OK"),
+])
+def test_doctor_checks_expert_codebooks_against_the_installed_kernel(tmp_path, monkeypatch, version, codebook, expected):
+    """doctor reads the EXL3 MoE kernel's codebook rule from the installed kernel library (0.20-0.23:
+    mcg only; 0.24: mcg and mul1); without a library it warns about anything but mcg."""
+    from hybrid_exl3_fixes import doctor
+    from hybrid_exl3_fixes.exl3 import dispatch
+
+    libs = sorted((ROOT / ".cache" / "aphrodite-kernels" / version / "aphrodite").glob("*.so")) if version else []
+    if version and not libs:
+        pytest.skip(f"aphrodite {version} kernel libraries not unpacked (ci/aphrodite-versions.sh)")
+    monkeypatch.setattr(dispatch, "installed_kernel_libraries", lambda: libs)  # which library, not how it is read
+    write_tiny(tmp_path / "m", TinySpec.preset("tiny-moe", expert_codebook=codebook), dense=False)
+    report = doctor.diagnose(tmp_path / "m" / "exl3", language_model_only=True, check_overlay=False)
+    found = {f.check: f for f in report.findings}["moe-codebook"]
+    assert found.level == expected, found.message
+    if expected != "OK":
+        assert "quantize the experts with exllamav3's --codebook mcg" in found.message
+    assert report.plan["expert_weight_bytes"] > 0
+    assert report.plan["active_expert_bytes_per_token"] == report.plan["expert_weight_bytes"] // 2  # 2 of 4
