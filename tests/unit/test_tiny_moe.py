@@ -9,7 +9,6 @@ import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +36,12 @@ def test_config_and_exl3_layout(moe):
     text = cfg["text_config"]
     assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and cfg["model_type"] == "qwen3_5_moe"
     assert text["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in text
-    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"],
-            text["shared_expert_intermediate_size"]) == (4, 2, 256, 256)
+    assert (
+        text["num_experts"],
+        text["num_experts_per_tok"],
+        text["moe_intermediate_size"],
+        text["shared_expert_intermediate_size"],
+    ) == (4, 2, 256, 256)
     storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     layer0 = {k.split("layers.0.", 1)[1]: v for k, v in storage.items() if ".layers.0." in k}
     experts = [f"mlp.experts.{e}.{w}" for e in range(4) for w in ("gate_proj", "up_proj", "down_proj")]
@@ -95,15 +98,21 @@ def test_expert_names_and_unquantized_gates_match_exllamav3(moe):
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "BlockSparseMLP")
     kwargs = {k.arg: k.value for k in call.keywords}
     strings = {k: v.value for k, v in kwargs.items() if isinstance(v, ast.Constant)}
-    assert strings["key_gate"] == "experts.{expert_idx}.gate_proj" and strings["key_down"] == "experts.{expert_idx}.down_proj"
+    assert strings["key_gate"] == "experts.{expert_idx}.gate_proj"
+    assert strings["key_down"] == "experts.{expert_idx}.down_proj"
     assert strings["key_routing_gate"] == "gate" and strings["key_shared_gate"] == "shared_expert_gate"
     shared = kwargs["shared_experts"]
     assert ast.unparse(next(k.value for k in shared.keywords if k.arg == "key")).endswith(".mlp.shared_expert'")
     block = ast.parse((EXL / "modules" / "block_sparse_mlp.py").read_text())
-    gates = [n for n in ast.walk(block) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Linear"
-             and any(k.arg == "key" and ("key_routing_gate" in ast.unparse(k.value) or "key_shared_gate" in ast.unparse(k.value))
-                     for k in n.keywords)]
-    assert len(gates) == 2 and all(any(k.arg == "qmap" and ast.unparse(k.value) == "None" for k in g.keywords) for g in gates)
+
+    def is_gate(call):
+        key = next((ast.unparse(k.value) for k in call.keywords if k.arg == "key"), "")
+        return "key_routing_gate" in key or "key_shared_gate" in key
+
+    linears = [n for n in ast.walk(block) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Linear"]
+    gates = [g for g in linears if is_gate(g)]
+    assert len(gates) == 2
+    assert all(any(k.arg == "qmap" and ast.unparse(k.value) == "None" for k in g.keywords) for g in gates)
     dest, _ = moe
     storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     for e in range(4):
@@ -116,12 +125,21 @@ def test_exllamav3_reads_the_moe_checkpoint(moe):
     from test_exllamav3_layout import READ_WITH_EXLLAMAV3
 
     dest, _ = moe
-    proc = subprocess.run([sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(dest / "exl3")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(dest / "exl3")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert read == {"config": "Qwen3_5VLMoeConfig", "model": "Qwen3_5VLMoeModel", "hidden": 256, "layers": 4,
-                    "vision": True}
+    assert read == {
+        "config": "Qwen3_5VLMoeConfig",
+        "model": "Qwen3_5VLMoeModel",
+        "hidden": 256,
+        "layers": 4,
+        "vision": True,
+    }
 
 
 @needs_aphrodite
@@ -140,11 +158,21 @@ def test_aphrodite_sees_exl3_experts(moe):
         assert not config._linear_prefix_is_exl3(f"language_model.model.layers.{n}.mlp.gate")
 
 
-@pytest.mark.parametrize("version, codebook, expected", [
-    ("0.21.0", "mcg", "OK"), ("0.21.0", "mul1", "BLOCK"), ("0.21.0", "3inst", "BLOCK"),
-    ("0.24.1", "mul1", "OK"), ("0.24.1", "3inst", "BLOCK"), (None, "mul1", "WARN"), (None, "mcg", "OK"),
-])
-def test_doctor_checks_expert_codebooks_against_the_installed_kernel(tmp_path, monkeypatch, version, codebook, expected):
+@pytest.mark.parametrize(
+    "version, codebook, expected",
+    [
+        ("0.21.0", "mcg", "OK"),
+        ("0.21.0", "mul1", "BLOCK"),
+        ("0.21.0", "3inst", "BLOCK"),
+        ("0.24.1", "mul1", "OK"),
+        ("0.24.1", "3inst", "BLOCK"),
+        (None, "mul1", "WARN"),
+        (None, "mcg", "OK"),
+    ],
+)
+def test_doctor_checks_expert_codebooks_against_the_installed_kernel(
+    tmp_path, monkeypatch, version, codebook, expected
+):
     """doctor reads the EXL3 MoE kernel's codebook rule from the installed kernel library (0.20-0.23:
     mcg only; 0.24: mcg and mul1); without a library it warns about anything but mcg."""
     from hybrid_exl3_fixes import doctor
