@@ -85,6 +85,32 @@ THINK_TOKENS = {"<think>": 507, "</think>": 508}
 DTYPES = ("bfloat16", "float16")
 
 
+# Named shapes (TinySpec.preset, make-tiny --preset); each stays 128-aligned per rank at TP=2.
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # a tiny MoE hybrid: 4 routed experts (2 active) and a shared expert, 256 wide each
+    "tiny-moe": dict(
+        experts=4,
+        experts_per_tok=2,
+        moe_intermediate=256,
+        shared_intermediate=256,
+        adapters=("lora-a", "lora-b", "lora-experts"),
+    ),
+    "qwen3.6-27b": dict(
+        hidden=5120,
+        intermediate=17408,
+        vocab=32768,
+        heads=24,
+        kv_heads=4,
+        head_dim=256,
+        gdn_key_heads=16,
+        gdn_value_heads=48,
+        gdn_head_dim=128,
+        max_position=32768,
+    ),
+}
+
+
 @dataclass
 class TinySpec:
     """What to write. Defaults: the tiny config of FACTS.md (loads in aphrodite 0.21, 128-aligned
@@ -126,32 +152,9 @@ class TinySpec:
         4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width.
         ``tiny-moe``: the tiny shape with a MoE MLP (4 routed experts, 2 active, and a shared expert),
         and a third adapter, ``lora-experts``, that also targets the routed experts."""
-        presets = {
-            "tiny": {},
-            # a tiny MoE hybrid: 4 routed experts (2 active) and a shared expert, 256 wide each
-            "tiny-moe": dict(
-                experts=4,
-                experts_per_tok=2,
-                moe_intermediate=256,
-                shared_intermediate=256,
-                adapters=("lora-a", "lora-b", "lora-experts"),
-            ),
-            "qwen3.6-27b": dict(
-                hidden=5120,
-                intermediate=17408,
-                vocab=32768,
-                heads=24,
-                kv_heads=4,
-                head_dim=256,
-                gdn_key_heads=16,
-                gdn_value_heads=48,
-                gdn_head_dim=128,
-                max_position=32768,
-            ),
-        }
-        if name not in presets:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return cls(**{**presets[name], **overrides})
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
     def codebook_for(self, index: int) -> str:
         return codec.CODEBOOKS[index % 3] if self.codebook == "mixed" else self.codebook

@@ -72,6 +72,17 @@ CELLS = {
         {"HYBRID_EXL3_FIXES_DISABLE": "P4"},
         "crash",
     ),
+    # tensor parallel 2 (issue 20): the user's configuration on two GPUs; skipped on one
+    "tp2-compiled-bf16-lora": ("bfloat16", False, True, ["--tensor-parallel-size", "2"], {}, "serve"),
+    "tp2-compiled-bf16-nolora": ("bfloat16", False, False, ["--tensor-parallel-size", "2"], {}, "serve"),
+    "tp2-compiled-bf16-lora-fp8kv": (
+        "bfloat16",
+        False,
+        True,
+        ["--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8"],
+        {},
+        "serve",
+    ),
     "compiled-fp16-as-bf16-nolora-noP4": (
         "float16",
         False,
@@ -82,6 +93,20 @@ CELLS = {
     ),
 }
 MAIN = "compiled-bf16-lora"
+
+
+def cell_tp(cell: str) -> int:
+    extra = CELLS[cell][3]
+    return int(extra[extra.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in extra else 1
+
+
+def gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
 
 
 def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]:
@@ -140,7 +165,7 @@ def fleet(tiny, workdir):
     only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
     servers = {}
     for i, cell in enumerate(CELLS):
-        if only and cell not in only:
+        if (only and cell not in only) or cell_tp(cell) > gpus():
             continue
         model, args, env = server_args(cell, tiny)
         # a compile cache of its own: servers that start together must not write one cache entry at once
@@ -240,6 +265,8 @@ def test_cell(cell, fleet, references, record):
     """Start, /v1/models, three prompts alone per adapter, 16 mixed at once; or, for a control cell,
     the crash it must show. Records the outcome, timings, overlay lines and max |delta| per cell."""
     dtype, eager, lora, extra, env, expect = CELLS[cell]
+    if cell_tp(cell) > gpus():
+        pytest.skip(f"{cell} needs {cell_tp(cell)} GPUs, this machine has {gpus()}")
     if cell not in fleet:
         pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
     server = fleet[cell]
@@ -269,7 +296,8 @@ def test_cell(cell, fleet, references, record):
         server.stop()
         raise AssertionError(f"{cell} started although P4 is off: the trigger is not what the write-up says")
     record(f"server {cell}", **info)  # what is known now survives a failure below
-    assert info["overlay_lines"] >= 2, info  # API server and engine core each loaded the overlay
+    # API server and engine core each load the overlay, and at TP > 1 every worker too
+    assert info["overlay_lines"] >= 2 + (cell_tp(cell) if cell_tp(cell) > 1 else 0), info
     reference = references[dtype]
     models = {m.id for m in client(server).models.list().data}
     adapters = [None, *ADAPTERS] if lora else [None]
@@ -302,7 +330,7 @@ def test_cell(cell, fleet, references, record):
     assert info["max_abs_dlogprob"] < tolerance, info
     if lora:
         assert info["lora-a vs base reference"] > 3 * TOLERANCE, "the adapter made no difference"
-    if cell not in (MAIN, "compiled-bf16-lora-prefix", "compiled-bf16-lora-chunk512"):
+    if cell not in (MAIN, "compiled-bf16-lora-prefix", "compiled-bf16-lora-chunk512", "tp2-compiled-bf16-lora"):
         server.stop()  # free the GPU and CPUs for the cells still starting; MAIN and two others serve on
 
 
@@ -378,8 +406,11 @@ def test_chat_completions_through_the_template(fleet, tiny, references, record):
     record("server chat (compiled-bf16-lora)", **info)
 
 
-def test_64_concurrent_requests_mixing_base_and_two_adapters(fleet, references, record):
-    server = ready(fleet, MAIN)
+@pytest.mark.parametrize("cell", [MAIN, "tp2-compiled-bf16-lora"])
+def test_64_concurrent_requests_mixing_base_and_two_adapters(fleet, references, record, cell):
+    if cell_tp(cell) > gpus():
+        pytest.skip(f"{cell} needs {cell_tp(cell)} GPUs, this machine has {gpus()}")
+    server = ready(fleet, cell)
     adapters = [None, *ADAPTERS]
     jobs = [(model_of(adapters[i % 3]), ids) for i, ids in enumerate(prompts(64, 3))]
     started = time.monotonic()
@@ -396,12 +427,14 @@ def test_64_concurrent_requests_mixing_base_and_two_adapters(fleet, references, 
     }
     info = {a or "base": worst(rows[a]) for a in adapters if rows[a]}
     record(
-        "server 64 concurrent (compiled-bf16-lora)",
+        f"server 64 concurrent ({cell})",
         failed=len(failed),
         wall_s=round(wall, 2),
         **info,
         complete=sum(len(r["ids"]) == 16 for r in results if not isinstance(r, Exception)),
     )
+    if cell != MAIN:
+        server.stop()
     assert not failed, failed[:3]
     assert all(v["max_abs_dlogprob"] < TOLERANCE for v in info.values()), info
 

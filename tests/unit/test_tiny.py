@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_exl3_fixes.exl3 import codec
-from hybrid_exl3_fixes.exl3.tiny import EXL3_SUFFIXES, TinySpec, write_tiny
+from hybrid_exl3_fixes.exl3.tiny import EXL3_SUFFIXES, PRESETS, TinySpec, write_tiny
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +294,23 @@ def test_progress_bar_appears_only_for_long_work(capsys):
     for _ in progress(list(range(3)), "slow"):
         time.sleep(1.1)
     assert "make-tiny: slow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_splits_into_whole_hadamard_blocks_at_tp2(preset):
+    """Tensor parallel 2 (issue 20): every preset's column- and row-split dimensions are multiples of
+    128 x 2, so each rank of a TP=2 engine holds whole Hadamard blocks; TP=4 is refused where it would not."""
+    from hybrid_exl3_fixes.exl3.tiny import _check
+
+    _check(TinySpec.preset(preset, tp=2))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_doctor_agrees_at_tp2(tmp_path, preset):
+    from hybrid_exl3_fixes.doctor import diagnose
+
+    write_tiny(tmp_path / "m", TinySpec.preset(preset), dense=False)
+    report = diagnose(tmp_path / "m" / "exl3", tp=2, language_model_only=True, check_overlay=False)
+    assert {f.check: f.level for f in report.findings}["tp-alignment"] == "OK"
+    report = diagnose(tmp_path / "m" / "exl3", tp=4, language_model_only=True, check_overlay=False)
+    assert {f.check: f.level for f in report.findings}["tp-alignment"] == "BLOCK"
