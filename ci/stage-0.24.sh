@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Stage aphrodite-engine 0.24.x for the H200 machine (issue 17, deliverable 4), the way
+# ../shared/device/stage.sh stages 0.21.0: build the payload here, split it into parts of <= 60 MiB
+# under .devstage-0.24/ (git-ignored) and print the device calls.
+#
+# Why it differs: 0.22.0 and later pin torch 2.13.0 and triton 3.7.1, and the GPU image has torch
+# 2.11.0+cu130. So the payload carries torch 2.13.0 and triton 3.7.1 too, installed into their own
+# folder in front of the image's site-packages. It does NOT carry the CUDA libraries torch 2.13 pins
+# (cuda-toolkit 13.0.3, cudnn 9.20, nccl 2.29.7, nvshmem 3.4.5, cusparselt 0.8.1: several GB); it
+# relies on the image's own cu13 builds of the same libraries (the image carries nvidia-cudnn-cu13,
+# -nccl-cu13, -nvshmem-cu13, -cusparselt-cu13 and cuda-toolkit for its torch 2.11). Whether torch 2.13
+# loads against them is the first thing the install call checks (`import torch; torch.cuda.init()`).
+#
+# Usage (from the project root):  bash ci/stage-0.24.sh [0.24.1] [--dry-run]
+#   --dry-run: download and split, print the sizes and the number of calls, remove nothing.
+set -euo pipefail
+VER="0.24.1"; DRY=0
+for a in "$@"; do case "$a" in --dry-run) DRY=1 ;; *) VER="$a" ;; esac; done
+ROOT="$(git rev-parse --show-toplevel)"
+CACHE="${DEVSTAGE_CACHE:-$HOME/.cache/devstage}/0.24-$VER"
+OUTD="$ROOT/.devstage-0.24"
+PART_BYTES=$((60 * 1024 * 1024))
+grep -qxF '/.devstage-0.24/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.devstage-0.24/' >> "$ROOT/.git/info/exclude"
+mkdir -p "$CACHE"
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
+for n in 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
+PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+# The runtime: aphrodite itself, the torch and triton it pins, flashinfer at its pin.
+CORE=("aphrodite-engine==$VER" torch==2.13.0 triton==3.7.1 flashinfer-python==0.6.18 apache-tvm-ffi==0.1.11)
+# What 0.24.x imports on the way to serving (its METADATA's pins) that the image lacks or has in an
+# older version; plus the server's extras, as stage.sh ships them for 0.21.
+DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0' 'depyf==0.20.0' dill diskcache
+      distro 'fastapi>=0.133,<0.137' 'starlette>=1.0.1' gguf ijson importlib_metadata interegular jiter jsonschema
+      jsonschema-specifications 'lark==1.2.2' 'llguidance>=1.7.0,<1.8.0' 'lm-format-enforcer==0.11.3' loguru
+      'mistral_common>=1.11.6' msgspec nvidia-ml-py 'openai>=2,<3' 'openai-harmony>=0.0.3' opentelemetry-api
+      opentelemetry-sdk opentelemetry-semantic-conventions 'outlines_core==0.2.14' partial-json-parser posix_ipc
+      'prometheus-fastapi-instrumentator>=8' pybase64 pycountry 'pydantic>=2.12' pydantic-core python-json-logger
+      pyzmq referencing rpds-py setproctitle sniffio typing-inspection watchfiles 'xgrammar>=0.2.1,<1'
+      'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor 'anthropic>=0.71' 'mcp>=2,<3'
+      uvicorn httptools websockets python-multipart email-validator dnspython pydantic-extra-types)
+echo "== downloading into $CACHE (cached between runs)"
+[ -f "$CACHE/.core-ok" ] || { pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/core" "${CORE[@]}" && touch "$CACHE/.core-ok"; }
+[ -f "$CACHE/.deps-ok" ] || { pip download -q --no-deps "${PLAT[@]}" --platform any -d "$CACHE/deps" "${DEPS[@]}" 2>/dev/null \
+  || pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/deps" "${DEPS[@]}"; touch "$CACHE/.deps-ok"; }
+du -sh "$CACHE/core" "$CACHE/deps"
+TMP=$(mktemp -d)
+tar cf "$TMP/payload.tar" -C "$CACHE" core deps  # the wheels are compressed already
+rm -rf "$OUTD"; mkdir -p "$OUTD"
+split -b "$PART_BYTES" -d -a 2 "$TMP/payload.tar" "$TMP/part"
+n=0
+for p in "$TMP"/part*; do
+  n=$((n + 1)); mkdir -p "$OUTD/$n"; mv "$p" "$OUTD/$n/chunk"
+  printf '#!/usr/bin/env bash\nset -e; mkdir -p /tmp/devstage24; cp "$(dirname "$0")/chunk" /tmp/devstage24/part%02d; ls /tmp/devstage24 | wc -l\n' "$n" > "$OUTD/$n/stash.sh"
+done
+mkdir -p "$OUTD/install"
+cat > "$OUTD/install/install.sh" <<SH
+#!/usr/bin/env bash
+# Reassemble the parts; torch 2.13 and triton go to /tmp/devsite24/torch (first on PYTHONPATH), aphrodite
+# and its dependencies to /tmp/devsite24/site. Checks torch 2.13 against the image's CUDA libraries first.
+set -euo pipefail
+have=\$(ls /tmp/devstage24/part* 2>/dev/null | wc -l)
+[ "\$have" -eq $n ] || { echo "devstage24: \$have of $n parts here: the machine went cold; start again from part 1"; exit 3; }
+rm -rf /tmp/devsite24 /tmp/devpayload24; mkdir -p /tmp/devsite24/torch /tmp/devsite24/site /tmp/devpayload24
+cat \$(ls /tmp/devstage24/part* | sort) | tar xf - -C /tmp/devpayload24
+pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "\$@"; }
+pip --target /tmp/devsite24/torch /tmp/devpayload24/core/torch-*.whl /tmp/devpayload24/core/triton-*.whl
+PYTHONPATH=/tmp/devsite24/torch python3 -c "import torch; torch.cuda.init(); print('devstage24: torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
+pip --target /tmp/devsite24/site \$(ls /tmp/devpayload24/core/*.whl | grep -v -e /torch- -e /triton-) /tmp/devpayload24/deps/*.whl
+rm -rf /tmp/devpayload24 /tmp/devstage24
+mkdir -p /tmp/devsite24/bin
+printf '#!/usr/bin/env python3\\nimport sys\\nfrom aphrodite.entrypoints.cli.main import main\\nif __name__ == "__main__":\\n    sys.exit(main())\\n' > /tmp/devsite24/bin/aphrodite
+chmod +x /tmp/devsite24/bin/aphrodite
+export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site
+python3 -c "import aphrodite, torch; print('devstage24: aphrodite', aphrodite.__version__, 'torch', torch.__version__)"
+echo "devstage24: ready. Later calls: export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site PATH=/tmp/devsite24/bin:\\\$PATH APHRODITE_NO_USAGE_STATS=1"
+SH
+chmod +x "$OUTD"/*/*.sh
+total=$(du -sb "$TMP/payload.tar" | cut -f1); rm -rf "$TMP"
+echo "== $n parts ($((total / 1048576)) MiB) in .devstage-0.24/: $n stash calls, then the install call"
+[ "$DRY" = 1 ] && exit 0
+for k in $(seq 1 $n); do echo "   run(command='bash .devstage-0.24/$k/stash.sh', carry=['.devstage-0.24/$k'])"; done
+echo "   run(command='bash .devstage-0.24/install/install.sh && <your command>', carry=['.devstage-0.24/install'])"
