@@ -118,9 +118,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.preset.endswith("-full"):
+        return make_full(args)
     try:
         spec = TinySpec.preset(
-            args.preset, bits=args.bits, codebook=args.codebook, seed=args.seed, tp=args.tp, dtype=args.dtype
+            args.preset, bits=args.bits_given or 4, codebook=args.codebook, seed=args.seed, tp=args.tp, dtype=args.dtype
         )
         if args.device:
             _check_device(args.device)
@@ -136,9 +138,45 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {args.bits} bits, "
+        f"wrote {args.dir}: exl3/ ({len(manifest['exl3_modules'])} EXL3 projections, {spec.bits} bits, "
         f"{args.codebook}, config dtype {args.dtype}), {'' if args.no_dense else 'dense/ (decoded twin), '}"
         f"{', '.join(manifest['adapters'])} (LoRA rank 8)"
+    )
+    return 0
+
+
+def make_full(args: argparse.Namespace) -> int:
+    """Full-depth presets (issue 18): streamed layer by layer on the GPU, no dense twin."""
+    try:
+        from hybrid_exl3_fixes.exl3.stream import full_spec, write_full
+
+        device = args.device or "cuda"
+        _check_device(device)
+        overrides = {
+            k: v
+            for k, v in (
+                ("bits", args.bits_given),
+                ("seed", args.seed),
+                ("dtype", args.dtype),
+                ("codebook", args.codebook),
+            )
+            if v is not None
+        }
+        spec = full_spec(args.preset, tp=args.tp, **overrides)
+        manifest = write_full(args.dir, spec, device=device)
+    except ImportError as exc:
+        print(
+            f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing: pip install 'hybrid-exl3-fixes[make-tiny]'",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.dir}: exl3/ ({len(spec.layer_types)} layers, {len(manifest['exl3_modules'])} EXL3 projections, "
+        f"{spec.bits} bits, head {spec.head_bits} bits, {manifest['weight_bytes'] / 2**30:.2f} GiB in "
+        f"{len(spec.layer_types) + 2} shards), lora-a (no dense twin at full depth)"
     )
     return 0
 
@@ -226,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         "make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters"
     )
     tiny.add_argument("dir", help="a new (or empty) folder")
-    tiny.add_argument("--bits", type=positive_int, default=4, help="EXL3 bitrate K, 1..8 (default 4)")
+    tiny.add_argument(
+        "--bits",
+        type=positive_int,
+        dest="bits_given",
+        default=None,
+        help="EXL3 bitrate K, 1..8 (default 4; the full-depth presets set their own)",
+    )
     tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
     tiny.add_argument("--seed", type=non_negative_int, default=0)
     tiny.add_argument("--tp", type=positive_int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
@@ -246,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "tiny-moe", "qwen3.6-27b"],
+        choices=["tiny", "tiny-moe", "qwen3.6-27b", "qwen3.6-27b-full", "qwen3.5-9b-full", "qwen3.6-35b-a3b-full"],
         help="tiny (default); tiny-moe: the tiny shape with routed experts and a shared expert (and an adapter "
-        "over the experts too); qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks",
+        "over the experts too); qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks; *-full: "
+        "the published models' full depth and widths, streamed on the GPU layer by layer, no dense twin",
     )
     tiny.set_defaults(func=cmd_make_tiny)
     stubs = sub.add_parser(

@@ -144,6 +144,8 @@ class TinySpec:
     moe_intermediate: int = 256
     shared_intermediate: int = 256
     expert_codebook: str = "mcg"  # aphrodite's EXL3 MoE kernel takes mcg on every release (doctor)
+    # lm_head as EXL3 at this bitrate (config head_bits); None keeps it a float16 linear
+    head_bits: int | None = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TinySpec:
@@ -458,6 +460,12 @@ def write_tiny(
 
     spec = spec or TinySpec()
     _check(spec)
+    return write_staged(out_dir, lambda tmp: _write(tmp, spec, torch, save_file, device, dense))
+
+
+def write_staged(out_dir: str | os.PathLike, write) -> dict:
+    """``write(tmp)`` into a temporary sibling of ``out_dir``, then rename it into place: a failure
+    leaves nothing. ``out_dir`` must be new or empty."""
     out = Path(out_dir)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
@@ -470,7 +478,7 @@ def write_tiny(
     except OSError as exc:
         raise FileExistsError(f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to") from None
     try:
-        manifest = _write(tmp, spec, torch, save_file, device, dense)
+        manifest = write(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -480,22 +488,37 @@ def write_tiny(
         raise
 
 
-def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
-    """Unquantized tensors with the shapes of HF's Qwen3_5ForConditionalGeneration, in the dtypes
-    exllamav3 writes them (module docstring): ``keep`` (the config's dtype) for what its loaders read
-    with ``allow_bf16`` -- embedding, RMSNorm weights, the GDN conv1d --, float16 for the unquantized
-    linears and the vision tower, bfloat16 for the GDN dt_bias, A_log and output norm."""
-    keep = getattr(torch, spec.dtype)
+class Draw:
+    """Random tensors for the unquantized weights, drawn from one generator in call order (so a
+    checkpoint is a function of its seed), on ``device`` (the streaming writer draws on the GPU)."""
 
-    def rnd(*shape, std=0.02, dtype=torch.float16):
-        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+    def __init__(self, gen, torch, device=None):
+        self.gen, self.torch, self.device = gen, torch, device
 
+    def randn(self, *shape, std=0.02, dtype=None):
+        t = self.torch
+        return (t.randn(*shape, generator=self.gen, device=self.device) * std).to(dtype or t.float16)
+
+    def ones(self, *shape, dtype=None):
+        return self.torch.ones(*shape, dtype=dtype or self.torch.float16, device=self.device)
+
+    def log_uniform(self, n, low, high):
+        t = self.torch
+        return t.log(t.empty(n, device=self.device).uniform_(low, high, generator=self.gen))
+
+
+def _global_state(spec: TinySpec, cfg: dict, draw: Draw) -> dict:
+    """The unquantized tensors outside the decoder layers (vision tower, embedding, final norm, an
+    unquantized lm_head), in the dtypes exllamav3 writes them (module docstring)."""
+    t = draw.torch
+    keep = getattr(t, spec.dtype)
+    rnd = draw.randn
     v = cfg["vision_config"]
     state = {
         "model.visual.patch_embed.proj.weight": rnd(v["hidden_size"], 3, 2, 16, 16),
         "model.visual.patch_embed.proj.bias": rnd(v["hidden_size"]),
         "model.visual.pos_embed.weight": rnd(v["num_position_embeddings"], v["hidden_size"]),
-        "model.visual.merger.norm.weight": torch.ones(v["hidden_size"], dtype=torch.float16),
+        "model.visual.merger.norm.weight": draw.ones(v["hidden_size"]),
         "model.visual.merger.norm.bias": rnd(v["hidden_size"]),
         "model.visual.merger.linear_fc1.weight": rnd(4 * v["hidden_size"], 4 * v["hidden_size"]),
         "model.visual.merger.linear_fc1.bias": rnd(4 * v["hidden_size"]),
@@ -503,12 +526,13 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
         "model.visual.merger.linear_fc2.bias": rnd(spec.hidden),
         "model.language_model.embed_tokens.weight": rnd(spec.vocab, spec.hidden, std=1.0, dtype=keep),
         "model.language_model.norm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
-        "lm_head.weight": rnd(spec.vocab, spec.hidden, std=0.1),
     }
+    if spec.head_bits is None:
+        state["lm_head.weight"] = rnd(spec.vocab, spec.hidden, std=0.1)
     b = "model.visual.blocks.0."
     h = v["hidden_size"]
     for name, shape in {"norm1": (h,), "norm2": (h,)}.items():
-        state[b + name + ".weight"] = torch.ones(shape, dtype=torch.float16)
+        state[b + name + ".weight"] = draw.ones(*shape)
         state[b + name + ".bias"] = rnd(*shape)
     for name, (o, i) in {
         "attn.qkv": (3 * h, h),
@@ -518,32 +542,48 @@ def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
     }.items():
         state[b + name + ".weight"] = rnd(o, i)
         state[b + name + ".bias"] = rnd(o)
+    return state
+
+
+def _layer_state(spec: TinySpec, n: int, kind: str, draw: Draw) -> dict:
+    """One decoder layer's unquantized tensors, in the dtypes exllamav3 writes them: ``keep`` (the
+    config's dtype) for what its loaders read with ``allow_bf16`` -- RMSNorm weights, the GDN conv1d
+    --, float16 for the unquantized linears, bfloat16 for the GDN dt_bias, A_log and output norm."""
+    t = draw.torch
+    keep = getattr(t, spec.dtype)
+    rnd = draw.randn
     conv_dim = 2 * spec.gdn_key_heads * spec.gdn_head_dim + spec.gdn_value_heads * spec.gdn_head_dim
+    p = f"model.language_model.layers.{n}."
+    state = {
+        p + "input_layernorm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
+        p + "post_attention_layernorm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
+    }
+    if kind == "linear_attention":
+        vh = spec.gdn_value_heads
+        # bfloat16, as published Qwen3.5 checkpoints and exllamav3's output store them: exllamav3's
+        # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu), its
+        # gated RMS norm a float32 or bfloat16 weight (norm.cu)
+        state[p + "linear_attn.dt_bias"] = draw.ones(vh, dtype=t.bfloat16)
+        state[p + "linear_attn.A_log"] = draw.log_uniform(vh, 1, 16).to(t.bfloat16)
+        state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3, dtype=keep)
+        state[p + "linear_attn.norm.weight"] = (1 + rnd(spec.gdn_head_dim, std=0.1, dtype=t.float32)).to(t.bfloat16)
+        state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
+        state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
+    else:
+        state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
+        state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
+    if spec.experts:  # the router and the shared expert's gate: unquantized linears (float16, as exllamav3)
+        state[p + "mlp.gate.weight"] = rnd(spec.experts, spec.hidden, std=0.5)
+        state[p + "mlp.shared_expert_gate.weight"] = rnd(1, spec.hidden, std=0.1)
+    return state
+
+
+def _base_state(spec: TinySpec, cfg: dict, gen, torch) -> dict:
+    """Every unquantized tensor with the shapes of HF's Qwen3_5(Moe)ForConditionalGeneration."""
+    draw = Draw(gen, torch)
+    state = _global_state(spec, cfg, draw)
     for n, kind in enumerate(spec.layer_types):
-        p = f"model.language_model.layers.{n}."
-        state[p + "input_layernorm.weight"] = rnd(spec.hidden, std=0.1, dtype=keep)
-        state[p + "post_attention_layernorm.weight"] = rnd(spec.hidden, std=0.1, dtype=keep)
-        if kind == "linear_attention":
-            vh = spec.gdn_value_heads
-            # bfloat16, as published Qwen3.5 checkpoints and exllamav3's output store them: exllamav3's
-            # GDN kernel takes dt_bias only as bfloat16 and A_log as float32 or bfloat16 (gdn.cu), its
-            # gated RMS norm a float32 or bfloat16 weight (norm.cu)
-            state[p + "linear_attn.dt_bias"] = torch.ones(vh, dtype=torch.bfloat16)
-            state[p + "linear_attn.A_log"] = torch.log(torch.empty(vh).uniform_(1, 16, generator=gen)).to(
-                torch.bfloat16
-            )
-            state[p + "linear_attn.conv1d.weight"] = rnd(conv_dim, 1, 4, std=0.3, dtype=keep)
-            state[p + "linear_attn.norm.weight"] = (1 + torch.randn(spec.gdn_head_dim, generator=gen) * 0.1).to(
-                torch.bfloat16
-            )
-            state[p + "linear_attn.in_proj_a.weight"] = rnd(vh, spec.hidden, std=0.05)
-            state[p + "linear_attn.in_proj_b.weight"] = rnd(vh, spec.hidden, std=0.05)
-        else:
-            state[p + "self_attn.q_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
-            state[p + "self_attn.k_norm.weight"] = rnd(spec.head_dim, std=0.1, dtype=keep)
-        if spec.experts:  # the router and the shared expert's gate: unquantized linears (float16, as exllamav3)
-            state[p + "mlp.gate.weight"] = rnd(spec.experts, spec.hidden, std=0.5)
-            state[p + "mlp.shared_expert_gate.weight"] = rnd(1, spec.hidden, std=0.1)
+        state.update(_layer_state(spec, n, kind, draw))
     return state
 
 
@@ -569,39 +609,15 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
             dense_state[prefix + ".weight"] = codec.dense_weight(tensors, spec.bits, device).t().contiguous().cpu()
         for name, tensor in tensors.items():
             exl3_state[f"{prefix}.{name}"] = tensor
-        entry = {
-            "stored_tensors": stored_tensor_info(exl3_state, prefix),
-            "quant_format": "exl3",
-            "bits_per_weight": spec.bits,
-        }
-        if cb == "mul1":
-            entry["mul1_multiplier"] = codec.MUL1_MULT
-        elif cb == "mcg":
-            entry["mcg_multiplier"] = codec.MCG_MULT
-        storage[prefix] = entry
+        storage[prefix] = exl3_storage_entry(exl3_state, prefix, spec.bits, cb)
 
     if dense and spec.experts:
         fuse_experts(dense_state, spec, torch)
-    # exllamav3 lists every leaf module in tensor_storage, unquantized ones with stored_tensors only
-    modules = {k.rsplit(".", 1)[0] for k in exl3_state}
-    leaves = {m for m in modules if not any(o.startswith(m + ".") for o in modules)}
-    for leaf in sorted(leaves - set(storage)):
-        storage[leaf] = {"stored_tensors": stored_tensor_info(exl3_state, leaf)}
+    add_leaf_entries(storage, exl3_state)
     exl3_dir, dense_dir = tmp / "exl3", tmp / "dense"
     for d in (exl3_dir, dense_dir) if dense else (exl3_dir,):
-        d.mkdir()
-        _tokenizer_files(d, spec.vocab, spec.max_position)
-        (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
-    quant_cfg = {
-        "quant_method": "exl3",
-        "version": "1.6.5",
-        "bits": float(spec.bits),
-        "head_bits": None,
-        "codebook": spec.codebook,
-        "calibration": {"synthetic": True, "seed": spec.seed},
-    }
-    (exl3_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
-    (exl3_dir / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))
+        folder_files(d, spec)
+    write_configs(exl3_dir, spec, cfg, storage)
     save_file(exl3_state, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
     if dense:
         (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, indent=2))
@@ -644,6 +660,45 @@ def fuse_experts(dense_state: dict, spec: TinySpec, torch) -> None:
         ]
         dense_state[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t["gate_proj"], t["up_proj"]]) for t in take])
         dense_state[f"{p}.down_proj"] = torch.stack([t["down_proj"] for t in take])
+
+
+def exl3_storage_entry(state: dict, prefix: str, bits: int, codebook: str) -> dict:
+    """tensor_storage's entry for one EXL3 linear, as exllamav3 writes it."""
+    entry = {"stored_tensors": stored_tensor_info(state, prefix), "quant_format": "exl3", "bits_per_weight": bits}
+    if codebook == "mul1":
+        entry["mul1_multiplier"] = codec.MUL1_MULT
+    elif codebook == "mcg":
+        entry["mcg_multiplier"] = codec.MCG_MULT
+    return entry
+
+
+def add_leaf_entries(storage: dict, state: dict) -> None:
+    """exllamav3 lists every leaf module in tensor_storage, unquantized ones with stored_tensors only."""
+    modules = {k.rsplit(".", 1)[0] for k in state}
+    leaves = {m for m in modules if not any(o.startswith(m + ".") for o in modules)}
+    for leaf in sorted(leaves - set(storage)):
+        storage[leaf] = {"stored_tensors": stored_tensor_info(state, leaf)}
+
+
+def folder_files(folder: Path, spec: TinySpec) -> None:
+    """The non-tensor files of a model folder: tokenizer, chat template, generation and processor configs."""
+    folder.mkdir()
+    _tokenizer_files(folder, spec.vocab, spec.max_position)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+
+
+def write_configs(folder: Path, spec: TinySpec, cfg: dict, storage: dict) -> None:
+    """config.json with quantization_config, and quantization_config.json with tensor_storage."""
+    quant_cfg = {
+        "quant_method": "exl3",
+        "version": "1.6.5",
+        "bits": float(spec.bits),
+        "head_bits": spec.head_bits,
+        "codebook": spec.codebook,
+        "calibration": {"synthetic": True, "seed": spec.seed},
+    }
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
+    (folder / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))
 
 
 def stored_tensor_info(state: dict, prefix: str) -> dict:

@@ -1,0 +1,193 @@
+"""Full-depth EXL3 checkpoints for benchmarks, written layer by layer (issue 18).
+
+A published Qwen3.5/3.6 model quantized by exllamav3 is several to tens of GB; writing one the way
+``tiny.py`` writes a tiny model (every tensor in host memory, the dense twin decoded) would need that
+much host memory and hours of CPU time. Any bit pattern is a valid EXL3 trellis, so here the trellises
+and every unquantized tensor are drawn on ``device`` (the GPU) from a generator seeded by the spec, one
+decoder layer at a time, and each layer is saved as a shard of its own before the next is drawn: host
+memory holds one layer. No dense twin (it would be the size of the bf16 model). The folder is what
+``tiny.py`` writes otherwise (configs in exllamav3's form, tokenizer, chat template, tensor_storage),
+plus ``model.safetensors.index.json`` as sharded checkpoints have it; it is written into a temporary
+sibling and renamed into place.
+
+Shapes, from the published configs (transformers' Qwen3_5(Moe)TextConfig docstrings and defaults,
+and the Qwen3.5 model cards):
+- ``qwen3.6-27b-full``: Qwen3.6-27B, 64 layers (16 x [GDN, GDN, GDN, attention]), hidden 5120,
+  intermediate 17408, 24 / 4 heads of 256, GDN 16 key / 48 value heads of 128, vocab 248320;
+  3 bits with a 6-bit head, as the original deployment ran it (3.08 bpw).
+- ``qwen3.5-9b-full``: Qwen3.5-9B, 32 layers (8 x [3 GDN, attention]), hidden 4096, intermediate
+  12288, 16 / 4 heads of 256, GDN 16 key / 32 value heads of 128, vocab 248320; 6 bits, 6-bit head.
+- ``qwen3.6-35b-a3b-full``: Qwen3.5/3.6-35B-A3B, 40 layers (10 x [3 GDN, attention]), hidden 2048,
+  16 / 2 heads of 256, GDN 16 key / 32 value heads of 128, 256 routed experts of 512 (8 active) and
+  a shared expert of 512, vocab 248320; 4 bits, 6-bit head, experts in mcg.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from . import codec
+from .tiny import (
+    Draw,
+    TinySpec,
+    _check,
+    _global_state,
+    _layer_state,
+    _write_adapter,
+    add_leaf_entries,
+    exl3_storage_entry,
+    folder_files,
+    hf_config,
+    layer_projections,
+    progress,
+    write_configs,
+    write_staged,
+)
+
+_FOUR = ("linear_attention",) * 3 + ("full_attention",)
+FULL_PRESETS: dict[str, dict] = {
+    "qwen3.6-27b-full": dict(
+        hidden=5120,
+        intermediate=17408,
+        vocab=248320,
+        heads=24,
+        kv_heads=4,
+        head_dim=256,
+        gdn_key_heads=16,
+        gdn_value_heads=48,
+        gdn_head_dim=128,
+        max_position=262144,
+        layer_types=_FOUR * 16,
+        bits=3,
+        head_bits=6,
+    ),
+    "qwen3.5-9b-full": dict(
+        hidden=4096,
+        intermediate=12288,
+        vocab=248320,
+        heads=16,
+        kv_heads=4,
+        head_dim=256,
+        gdn_key_heads=16,
+        gdn_value_heads=32,
+        gdn_head_dim=128,
+        max_position=262144,
+        layer_types=_FOUR * 8,
+        bits=6,
+        head_bits=6,
+    ),
+    "qwen3.6-35b-a3b-full": dict(
+        hidden=2048,
+        vocab=248320,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        gdn_key_heads=16,
+        gdn_value_heads=32,
+        gdn_head_dim=128,
+        max_position=262144,
+        layer_types=_FOUR * 10,
+        experts=256,
+        experts_per_tok=8,
+        moe_intermediate=512,
+        shared_intermediate=512,
+        bits=4,
+        head_bits=6,
+    ),
+}
+
+
+def full_spec(name: str, **overrides) -> TinySpec:
+    if name not in FULL_PRESETS:
+        raise ValueError(f"unknown full-depth preset {name!r}; choose one of {sorted(FULL_PRESETS)}")
+    return TinySpec(**{**FULL_PRESETS[name], "adapters": ("lora-a",), **overrides})
+
+
+def random_exl3(fin: int, fout: int, bits: int, codebook: str, gen, torch, device) -> dict:
+    """An EXL3 linear from random bits: any trellis is valid; ``suh``/``svh`` are random signs scaled
+    as ``codec.random_exl3_linear`` scales them (weights of standard deviation ~0.02)."""
+    trellis = torch.randint(
+        -(1 << 15), 1 << 15, (fin // 16, fout // 16, 16 * bits), dtype=torch.int16, device=device, generator=gen
+    )
+    root = math.sqrt(0.02 / float(codec.codebook_lut(codebook).float().std()))
+
+    def signs(n):
+        return ((torch.randint(0, 2, (n,), device=device, generator=gen) * 2 - 1) * root).to(torch.float16)
+
+    return {"trellis": trellis, "suh": signs(fin), "svh": signs(fout), **codec.marker_tensors(codebook)}
+
+
+def write_full(out_dir: str | os.PathLike, spec: TinySpec, device: str = "cuda") -> dict:
+    """Write the EXL3 folder ``out_dir/exl3`` (sharded: globals, one shard per decoder layer, the head)
+    and one LoRA adapter; returns the manifest."""
+    import torch
+    from safetensors.torch import save_file
+
+    _check(spec)
+    return write_staged(out_dir, lambda tmp: _write_full(tmp, spec, torch, save_file, device))
+
+
+def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    draw = Draw(gen, torch, device)
+    cfg = hf_config(spec)
+    folder = tmp / "exl3"
+    folder_files(folder, spec)
+    layers = len(spec.layer_types)
+    names = [f"model-{i + 1:05d}-of-{layers + 2:05d}.safetensors" for i in range(layers + 2)]
+    storage, weight_map, total = {}, {}, 0
+
+    def save(state: dict, index: int) -> None:
+        nonlocal total
+        state = {k: v.contiguous().cpu() for k, v in state.items()}
+        add_leaf_entries(storage, state)
+        save_file(state, str(folder / names[index]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, names[index]))
+        total += sum(t.numel() * t.element_size() for t in state.values())
+
+    save(_global_state(spec, cfg, draw), 0)
+    index = 0
+    for n, kind in progress(list(enumerate(spec.layer_types)), "layers"):
+        state = _layer_state(spec, n, kind, draw)
+        for suffix, fin, fout in layer_projections(spec, kind):
+            prefix = f"model.language_model.layers.{n}.{suffix}"
+            if ".experts." in suffix:
+                cb = spec.expert_codebook
+            else:
+                cb, index = spec.codebook_for(index), index + 1
+            state.update(
+                {f"{prefix}.{k}": v for k, v in random_exl3(fin, fout, spec.bits, cb, gen, torch, device).items()}
+            )
+            storage[prefix] = exl3_storage_entry(state, prefix, spec.bits, cb)
+        save(state, n + 1)
+    head = {}
+    if spec.head_bits is not None:
+        head = {
+            f"lm_head.{k}": v
+            for k, v in random_exl3(spec.hidden, spec.vocab, spec.head_bits, "mcg", gen, torch, device).items()
+        }
+        storage["lm_head"] = exl3_storage_entry(head, "lm_head", spec.head_bits, "mcg")
+    save(head, layers + 1)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    write_configs(folder, spec, cfg, storage)
+    # one adapter over the attention and GDN projections, for the LoRA runs
+    adapter = spec.__class__(
+        **{
+            **spec.__dict__,
+            "lora_targets": ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"),
+        }
+    )
+    keys = _write_adapter(tmp / "lora-a", adapter, torch, save_file, torch.Generator().manual_seed(spec.seed + 1))
+    manifest = {
+        "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
+        "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"),
+        "weight_bytes": total,
+        "adapters": {"lora-a": keys},
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest

@@ -1,0 +1,82 @@
+"""The full-depth writer (issue 18): sharded layer by layer, EXL3 lm_head at its own bitrate, the
+folder as doctor and aphrodite read it; the published shapes' presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from helpers import needs_aphrodite
+from hybrid_exl3_fixes.exl3.stream import FULL_PRESETS, full_spec, write_full
+from hybrid_exl3_fixes.exl3.tiny import TinySpec, _check
+
+EIGHT = (("linear_attention",) * 3 + ("full_attention",)) * 2
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("full") / "f"
+    spec = TinySpec(layer_types=EIGHT, bits=3, head_bits=6, adapters=("lora-a",))
+    return dest, spec, write_full(dest, spec, device="cpu")
+
+
+def test_one_shard_per_layer_and_an_index(full):
+    dest, spec, manifest = full
+    folder = dest / "exl3"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) == len(spec.layer_types) + 2 and set(index["weight_map"].values()) == set(shards)
+    for n in range(len(spec.layer_types)):  # every tensor of layer n in shard n + 1, nothing else there
+        with safe_open(str(folder / shards[n + 1]), "pt") as f:
+            assert {k.split(".")[3] for k in f.keys()} == {str(n)}
+    assert index["metadata"]["total_size"] == manifest["weight_bytes"]
+
+
+def test_exl3_head_and_configs(full):
+    dest, spec, _ = full
+    cfg = json.loads((dest / "exl3" / "config.json").read_text())
+    assert cfg["quantization_config"]["head_bits"] == 6 and cfg["quantization_config"]["bits"] == 3.0
+    storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
+    assert storage["lm_head"]["quant_format"] == "exl3" and storage["lm_head"]["bits_per_weight"] == 6
+    assert storage["model.language_model.layers.7.self_attn.o_proj"]["bits_per_weight"] == 3
+    with safe_open(str(dest / "exl3" / sorted((dest / "exl3").glob("*.safetensors"))[-1].name), "pt") as f:
+        assert f.get_slice("lm_head.trellis").get_shape() == [256 // 16, 512 // 16, 96]
+
+
+def test_doctor_reads_it_clean(full):
+    from hybrid_exl3_fixes.doctor import diagnose
+
+    dest, _, _ = full
+    report = diagnose(dest / "exl3", tp=2, language_model_only=True, check_overlay=False)
+    assert report.exit_code == 0, [(f.level, f.message) for f in report.findings if f.level != "OK"]
+    assert {f.check: f.level for f in report.findings}["head_bits"] == "OK"
+
+
+@needs_aphrodite
+def test_aphrodite_sees_an_exl3_head(full):
+    from aphrodite.model_executor.layers.quantization.exl3 import Exl3Config
+
+    dest, _, _ = full
+    q = json.loads((dest / "exl3" / "quantization_config.json").read_text())
+    config = Exl3Config(bits=3.0, head_bits=6, tensor_storage=q["tensor_storage"])
+    assert config.has_quantized_lm_head() and config._linear_prefix_is_exl3("lm_head")
+
+
+@pytest.mark.parametrize("name", sorted(FULL_PRESETS))
+def test_published_shapes_split_at_tp2(name):
+    spec = full_spec(name, tp=2)
+    _check(spec)
+    assert spec.vocab % 128 == 0 and len(spec.layer_types) % 4 == 0 and spec.head_bits == 6
+
+
+def test_full_preset_without_cuda_is_a_one_line_error(tmp_path, capsys):
+    import torch
+
+    from hybrid_exl3_fixes.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    assert main(["make-tiny", str(tmp_path / "x"), "--preset", "qwen3.6-27b-full"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
