@@ -88,7 +88,7 @@ def engine_cases(models: Path, only: set[str], chunks: list[int]) -> list[dict]:
 # -- the engine process ----------------------------------------------------------------------
 
 
-def timed(engine, prompts: list[list[int]], loras: list | None = None) -> list[dict]:
+def timed(engine, prompts: list[list[int]], loras: list | None = None, output: int = OUTPUT) -> list[dict]:
     """Submit every prompt at once and step the engine as LLM.generate does; per request: time of
     its first token and of its completion (s after submission)."""
     from aphrodite import SamplingParams
@@ -98,7 +98,7 @@ def timed(engine, prompts: list[list[int]], loras: list | None = None) -> list[d
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         params = SamplingParams(
-            max_tokens=OUTPUT, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            max_tokens=output, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
         engine.add_request(ids[i], {"prompt_token_ids": p}, params, lora_request=loras[i] if loras else None)
     first, done, tokens = {}, {}, {r: 0 for r in ids}
@@ -112,7 +112,7 @@ def timed(engine, prompts: list[list[int]], loras: list | None = None) -> list[d
     return [{"first": first[r], "done": done[r], "tokens": tokens[r]} for r in ids]
 
 
-def summarise(times: list[dict]) -> dict:
+def summarise(times: list[dict], output: int = OUTPUT) -> dict:
     wall = max(t["done"] for t in times)
     return {
         "wall_s": round(wall, 4),
@@ -121,7 +121,7 @@ def summarise(times: list[dict]) -> dict:
         "decode_tok_s_per_request": round(
             statistics.mean((t["tokens"] - 1) / (t["done"] - t["first"]) for t in times), 1
         ),
-        "tokens_short": sum(t["tokens"] != OUTPUT for t in times),
+        "tokens_short": sum(t["tokens"] != output for t in times),
     }
 
 
@@ -155,8 +155,10 @@ def worker(case_path: str) -> None:
     rng = random.Random(0)
     vocab = engine.model_config.get_vocab_size()
 
-    def prompts(n, length=PROMPT):
-        return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+    prompt_len, output = case.get("prompt", PROMPT), case.get("output", OUTPUT)
+
+    def prompts(n, length=None):
+        return [[rng.randrange(10, vocab - 10) for _ in range(length or prompt_len)] for _ in range(n)]
 
     rows = []
 
@@ -164,7 +166,7 @@ def worker(case_path: str) -> None:
         """Warm up, then ``row.update(fill())``; an error is recorded in the row and the remaining
         measurements still run."""
         try:
-            timed(engine, prompts(1))  # warm-up: the engine is idle and its caches settled
+            timed(engine, prompts(1), output=output)  # warm-up: the engine is idle and its caches settled
             row.update(fill(), error="")
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -173,14 +175,16 @@ def worker(case_path: str) -> None:
         print("ROW " + json.dumps(row), flush=True)
 
     def best_of(n, loras=None):
-        runs = [summarise(timed(engine, prompts(n), loras)) for _ in range(case.get("repeats", REPEATS))]
+        runs = [
+            summarise(timed(engine, prompts(n), loras, output), output) for _ in range(case.get("repeats", REPEATS))
+        ]
         return {
             **max(runs, key=lambda r: r["throughput_tok_s"]),
             "throughput_reps": " ".join(str(r["throughput_tok_s"]) for r in runs),
         }
 
     def mixed_workload():
-        times = timed(engine, prompts(1, LONG) + prompts(5))
+        times = timed(engine, prompts(1, LONG) + prompts(5), output=output)
         done = [t["done"] for t in times]
         return dict(
             wall_s=round(max(done), 4),
@@ -291,10 +295,35 @@ def collect(out: Path) -> None:
         w.writerows(rows)
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(sys.argv[2])
-        return
+def cases_from_args(args, models: Path, only: set[str]) -> list[dict]:
+    """The engines of the chosen experiments with the command line's workload and variants applied."""
+    cases = engine_cases(models, only, [int(c) for c in args.chunks.split(",")])
+    if args.engines:
+        cases = [c for c in cases if c["name"] in args.engines.split(",")]
+    if args.eager:
+        cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
+    sweep = [int(n) for n in args.concurrency.split(",")]
+    workload = {
+        "prompt": args.prompt,
+        "output": args.output,
+        "max_num_seqs": max(128, *sweep),
+        "max_model_len": max(16384, args.prompt + args.output),
+    }
+    cases = [
+        {
+            **c,
+            **workload,
+            "name": c["name"] + args.tag,
+            "repeats": args.repeats,
+            "engine_args": args.engine_args,
+            "work": [(w, sweep if w == "concurrency" and c["name"] == "exl3" else n) for w, n in c["work"]],
+        }
+        for c in cases
+    ]
+    return cases
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", help="folder of make-tiny outputs named by codebook: mcg (and mixed, 3inst, mul1)")
     ap.add_argument("--out", default="out")
@@ -317,19 +346,26 @@ def main() -> None:
         help="comma-separated engine names (before --tag): run only these of the experiments' engines",
     )
     ap.add_argument("--tag", default="", help="suffix for the engine names, so variants keep their own results")
-    args = ap.parse_args()
+    ap.add_argument("--prompt", type=int, default=PROMPT, help=f"prompt tokens per request (default {PROMPT})")
+    ap.add_argument("--output", type=int, default=OUTPUT, help=f"output tokens per request (default {OUTPUT})")
+    ap.add_argument(
+        "--concurrency",
+        default=",".join(map(str, CONCURRENCY)),
+        help="N values of the concurrency sweep (issue 18: 1,2,4,...,256)",
+    )
+    return ap
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+        return
+    args = parser().parse_args()
     began = time.perf_counter()
     out, models = Path(args.out), Path(args.models)
     only = set(args.only.split(","))
     unknown = only - {"concurrency", "lora", "graphs", "codebooks", "chunk"}
-    cases = engine_cases(models, only, [int(c) for c in args.chunks.split(",")])
-    if args.engines:
-        cases = [c for c in cases if c["name"] in args.engines.split(",")]
-    if args.eager:
-        cases = [{**c, "enforce_eager": True} for c in cases if c["name"] != "exl3-eager"]
-    cases = [
-        {**c, "name": c["name"] + args.tag, "repeats": args.repeats, "engine_args": args.engine_args} for c in cases
-    ]
+    cases = cases_from_args(args, models, only)
     missing = sorted({str(Path(c["model"]).parent) for c in cases if not (Path(c["model"]) / "config.json").is_file()})
     if unknown or missing:
         sys.exit(

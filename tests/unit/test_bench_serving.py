@@ -177,3 +177,19 @@ def test_engines_option_runs_only_the_named_engines(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "exl3+lora: not started" in proc.stdout and "exl3:" not in proc.stdout
+
+
+def test_issue18_workload_options_reach_every_engine(tmp_path):
+    """--prompt/--output/--concurrency (issue 18: prompt 512, output 256, N up to 256) set each engine's
+    workload and limits; only the concurrency engine takes the sweep."""
+    args = serving.parser().parse_args(
+        [str(tmp_path), "--prompt", "512", "--output", "256", "--concurrency", "1,2,256", "--only", "concurrency,lora"]
+    )
+    cases = {c["name"]: c for c in serving.cases_from_args(args, tmp_path, {"concurrency", "lora"})}
+    assert set(cases) == {"exl3", "exl3+lora"}
+    for c in cases.values():
+        assert (c["prompt"], c["output"], c["max_num_seqs"]) == (512, 256, 256) and c["max_model_len"] >= 768
+    assert cases["exl3"]["work"] == [("concurrency", [1, 2, 256])]
+    assert cases["exl3+lora"]["work"] == [("lora", [1, 32])]
+    s = serving.summarise([{"first": 0.1, "done": 1.0, "tokens": 256}], output=256)
+    assert s["tokens_short"] == 0
