@@ -257,6 +257,29 @@ def model_of(adapter: str | None) -> str:
     return adapter or SERVED
 
 
+# chat requests render the checkpoint's template without thinking and return token ids and logprobs
+CHAT_EXTRA = {
+    "chat_template_kwargs": {"enable_thinking": False},
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+}
+
+
+def chat(server: Server, adapter: str | None, messages: list[dict], max_tokens: int, stream: bool = False):
+    """/v1/chat/completions, greedy, top-5 logprobs: the response as a dict, or the stream of chunks."""
+    resp = client(server).chat.completions.create(
+        model=model_of(adapter),
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=5,
+        stream=stream,
+        extra_body=CHAT_EXTRA,
+    )
+    return resp if stream else resp.model_dump()
+
+
 # -- every cell -------------------------------------------------------------------------------
 
 
@@ -351,38 +374,15 @@ def test_chat_completions_through_the_template(fleet, tiny, references, record):
         {"role": "user", "content": "Which layers of a Qwen3.5 hybrid keep a recurrent state?"},
     ]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, return_dict=False)
-    extra = {
-        "chat_template_kwargs": {"enable_thinking": False},
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    }
     info = {}
     for adapter in (None, "lora-a"):
-        resp = client(server).chat.completions.create(
-            model=model_of(adapter),
-            messages=messages,
-            max_tokens=12,
-            temperature=0.0,
-            logprobs=True,
-            top_logprobs=5,
-            extra_body=extra,
-        )
-        body = resp.model_dump()
+        body = chat(server, adapter, messages, 12)
         choice = body["choices"][0]
         assert body["prompt_token_ids"] == expected, (body["prompt_token_ids"][-12:], expected[-12:])
         assert expected[-6:] == tok.convert_tokens_to_ids(["<think>", "Ċ", "Ċ", "</think>", "Ċ", "Ċ"])
         served = served_chat_logprobs(choice["logprobs"]["content"])
         plain = compare_served(reference, adapter, expected, choice["token_ids"], served)
-        stream = client(server).chat.completions.create(
-            model=model_of(adapter),
-            messages=messages,
-            max_tokens=12,
-            temperature=0.0,
-            logprobs=True,
-            top_logprobs=5,
-            stream=True,
-            extra_body=extra,
-        )
+        stream = chat(server, adapter, messages, 12, stream=True)
         ids, rows, text, prompt_ids, chunks = [], [], "", None, 0
         for chunk in stream:
             part = chunk.model_dump()
@@ -584,11 +584,6 @@ def prefix_cache_counters(server: Server) -> dict:
 def multi_turn(server: Server, tok, long_system: str, adapter: str | None) -> list[dict]:
     """Three chat turns sharing a long system prompt, each turn repeating the conversation so far,
     and the last turn sent twice; returns per request the prompt ids, generated ids and logprob rows."""
-    extra = {
-        "chat_template_kwargs": {"enable_thinking": False},
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    }
     messages = [{"role": "system", "content": long_system}]
     out = []
     for turn, question in enumerate(
@@ -596,16 +591,7 @@ def multi_turn(server: Server, tok, long_system: str, adapter: str | None) -> li
     ):
         if turn < 3:
             messages.append({"role": "user", "content": question})
-        resp = client(server).chat.completions.create(
-            model=model_of(adapter),
-            messages=messages,
-            max_tokens=10,
-            temperature=0.0,
-            logprobs=True,
-            top_logprobs=5,
-            extra_body=extra,
-        )
-        body = resp.model_dump()
+        body = chat(server, adapter, messages, 10)
         choice = body["choices"][0]
         out.append(
             {
