@@ -134,21 +134,31 @@ def fake_aphrodite(tmp_path, monkeypatch):
     return tmp_path
 
 
+def free_port() -> int:
+    """A port no other process holds (ci/test.sh runs this file in several lanes at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_server_start_ready_figures_and_stop(fake_aphrodite):
-    server = Server("ok", "ok", ["--seed", "0"], 18931, fake_aphrodite / "ok.log", {"HXF_X": "1"})
+    port = free_port()
+    server = Server("ok", "ok", ["--seed", "0"], port, fake_aphrodite / "ok.log", {"HXF_X": "1"})
     server.start()
     try:
         assert server.wait_ready(60) and server.healthy() and server.ready_s is not None
         assert server.overlay_lines() == ["applied=5 upstream_fixed=0 drifted=0 (aphrodite 0.21.0)"]
         assert server.startup_figures() == {"kv_cache_tokens": 1234.0}
-        assert server.text().splitlines()[0].endswith("run ok --host 127.0.0.1 --port 18931 --seed 0")
+        assert server.text().splitlines()[0].endswith(f"run ok --host 127.0.0.1 --port {port} --seed 0")
     finally:
         server.stop()
     assert not server.alive() and not server.healthy()
 
 
 def test_server_that_dies_reports_the_engine_core_error(fake_aphrodite):
-    server = Server("crash", "crash", [], 18932, fake_aphrodite / "crash.log")
+    server = Server("crash", "crash", [], free_port(), fake_aphrodite / "crash.log")
     server.start()
     assert not server.wait_ready(60)
     assert server.root_error() == "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
