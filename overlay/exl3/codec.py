@@ -210,6 +210,12 @@ def dense_weight(
     return w.to(torch.float32)
 
 
+def sign_scale(codebook: str, scale: float = 0.02) -> float:
+    """The magnitude of the random ``suh``/``svh`` signs that gives dense weights of standard deviation
+    about ``scale`` with this codebook."""
+    return math.sqrt(scale / float(codebook_lut(codebook).float().std()))
+
+
 def random_exl3_linear(
     in_features: int,
     out_features: int,
@@ -227,7 +233,7 @@ def random_exl3_linear(
         raise ValueError(f"EXL3 dimensions must be multiples of {HAD}: got {in_features}x{out_features}")
     symbols = torch.randint(0, 1 << K, (in_features // 16, out_features // 16, 256), generator=generator)
     trellis = symbols_to_trellis(symbols.to(device) if device else symbols, K).cpu()
-    root = math.sqrt(scale / float(codebook_lut(codebook).float().std()))
+    root = sign_scale(codebook, scale)
     signs_in = torch.randint(0, 2, (in_features,), generator=generator) * 2 - 1
     signs_out = torch.randint(0, 2, (out_features,), generator=generator) * 2 - 1
     return {

@@ -24,8 +24,8 @@ and the Qwen3.5 model cards):
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -112,7 +112,7 @@ def random_exl3(fin: int, fout: int, bits: int, codebook: str, gen, torch, devic
     trellis = torch.randint(
         -(1 << 15), 1 << 15, (fin // 16, fout // 16, 16 * bits), dtype=torch.int16, device=device, generator=gen
     )
-    root = math.sqrt(0.02 / float(codec.codebook_lut(codebook).float().std()))
+    root = codec.sign_scale(codebook)
 
     def signs(n):
         return ((torch.randint(0, 2, (n,), device=device, generator=gen) * 2 - 1) * root).to(torch.float16)
@@ -176,11 +176,8 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
     )
     write_configs(folder, spec, cfg, storage)
     # one adapter over the attention and GDN projections, for the LoRA runs
-    adapter = spec.__class__(
-        **{
-            **spec.__dict__,
-            "lora_targets": ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"),
-        }
+    adapter = dataclasses.replace(
+        spec, lora_targets=("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj")
     )
     keys = _write_adapter(tmp / "lora-a", adapter, torch, save_file, torch.Generator().manual_seed(spec.seed + 1))
     manifest = {

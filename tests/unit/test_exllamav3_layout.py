@@ -179,21 +179,27 @@ print(json.dumps({"config": type(cfg).__name__, "model": type(model).__name__, "
 """
 
 
-def test_exllamav3_reads_the_checkpoint_config(tiny):
-    """exllamav3's own Config.from_directory and Model.from_config accept the writer's output (they
-    refused it before the writer added the vision keys and preprocessor_config.json a published
-    Qwen3.5 checkpoint carries); the numbers it reads are the writer's."""
+def read_with_exllamav3(folder: Path) -> dict:
+    """What exllamav3's own Config.from_directory and Model.from_config read from ``folder`` (in a child
+    process; its compiled extension stands in, see READ_WITH_EXLLAMAV3)."""
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(tiny / "exl3")],
+        [sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(folder)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_exllamav3_reads_the_checkpoint_config(tiny):
+    """exllamav3's own Config.from_directory and Model.from_config accept the writer's output (they
+    refused it before the writer added the vision keys and preprocessor_config.json a published
+    Qwen3.5 checkpoint carries); the numbers it reads are the writer's."""
+    read = read_with_exllamav3(tiny / "exl3")
     spec = TinySpec()
     assert read == {
         "config": "Qwen3_5VLConfig",

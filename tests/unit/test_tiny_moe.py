@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -122,17 +120,10 @@ def test_expert_names_and_unquantized_gates_match_exllamav3(moe):
 
 @needs_exllamav3
 def test_exllamav3_reads_the_moe_checkpoint(moe):
-    from test_exllamav3_layout import READ_WITH_EXLLAMAV3
+    from test_exllamav3_layout import read_with_exllamav3
 
     dest, _ = moe
-    proc = subprocess.run(
-        [sys.executable, "-c", READ_WITH_EXLLAMAV3, str(EXL.parent), str(dest / "exl3")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    read = read_with_exllamav3(dest / "exl3")
     assert read == {
         "config": "Qwen3_5VLMoeConfig",
         "model": "Qwen3_5VLMoeModel",
