@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .exl3 import HAD, splits_into_blocks
-from .modelfiles import Fields, Problem, describe, is_int, read_json_object, read_safetensors_header
+from .modelfiles import (
+    TORCH_DTYPE_NAMES,
+    Fields,
+    Problem,
+    describe,
+    is_int,
+    read_json_object,
+    read_safetensors_header,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -352,22 +360,24 @@ def check_exl3(report: Report, folder: Path, shape: Shape, tensors: dict[str, di
     if storage is None:
         return
     exl3 = {k: v for k, v in storage.items() if v.get("quant_format") == "exl3"}
-    missing, shape_diff = [], []
+    missing, differ = [], []
     for prefix, entry in storage.items():  # exllamav3 lists every leaf module, quantized or not
         for name, info in entry.get("stored_tensors", {}).items():
             if name not in tensors:
                 missing.append(name)
             elif info.get("shape") is not None and list(info["shape"]) != list(tensors[name]["shape"]):
-                shape_diff.append(f"{name} {info['shape']} != {tensors[name]['shape']}")
+                differ.append(f"{name} {info['shape']} != {tensors[name]['shape']}")
+            elif isinstance(info.get("dtype"), str) and info["dtype"] != TORCH_DTYPE_NAMES.get(tensors[name]["dtype"]):
+                differ.append(f"{name} {info['dtype']} != {tensors[name]['dtype']}")
         if prefix in exl3 and f"{prefix}.trellis" not in tensors and f"{prefix}.trellis" not in missing:
             missing.append(f"{prefix}.trellis")
-    if missing or shape_diff:
+    if missing or differ:
         report.add(
             "BLOCK",
             "exl3",
             f"tensor_storage disagrees with the safetensors: {len(missing)} missing "
-            f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(shape_diff)} shape differences "
-            f"({'; '.join(shape_diff[:2])})",
+            f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(differ)} shape or dtype differences "
+            f"({'; '.join(differ[:2])})",
         )
     else:
         report.add("OK", "exl3", f"{len(exl3)} EXL3 modules, every stored tensor present with its shape")

@@ -40,6 +40,26 @@ SAFETENSORS_DTYPES = {
 }
 
 
+# safetensors dtype -> the name tensor_storage gives it (str(torch dtype), as exllamav3 writes it)
+TORCH_DTYPE_NAMES = {
+    "BOOL": "torch.bool",
+    "U8": "torch.uint8",
+    "I8": "torch.int8",
+    "F8_E5M2": "torch.float8_e5m2",
+    "F8_E4M3": "torch.float8_e4m3fn",
+    "I16": "torch.int16",
+    "U16": "torch.uint16",
+    "F16": "torch.float16",
+    "BF16": "torch.bfloat16",
+    "I32": "torch.int32",
+    "U32": "torch.uint32",
+    "F32": "torch.float32",
+    "I64": "torch.int64",
+    "U64": "torch.uint64",
+    "F64": "torch.float64",
+}
+
+
 class Problem(Exception):
     """What is wrong with one input, in a sentence that names it."""
 
