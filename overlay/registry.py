@@ -241,8 +241,12 @@ class Registry:
                 raise Drift(
                     f"{target.key} takes ({', '.join(params)}), the patch was written for ({', '.join(target.params)})"
                 )
-            if isinstance(item.raw, staticmethod) != ("." in target.qualname and "self" not in params):
-                raise Drift(f"{target.key} changed kind: now a {type(item.raw).__name__}")
+            if "." in target.qualname:  # a method: its kind follows from the first parameter
+                first = params[0] if params else None
+                kind = {"self": "function", "cls": "classmethod"}.get(first, "staticmethod")
+                now = type(item.raw).__name__ if isinstance(item.raw, (staticmethod, classmethod)) else "function"
+                if now != kind:
+                    raise Drift(f"{target.key} changed kind: now a {now}, the patch was written for a {kind}")
 
     @staticmethod
     def _tagged(raw: Any) -> str | None:

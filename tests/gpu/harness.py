@@ -54,11 +54,15 @@ class Reference:
     sequence with no adapter or with any adapter make-tiny wrote (all loaded once, switched by name)."""
 
     def __init__(self, tiny: Path, adapters: tuple[str, ...] = ("lora-a", "lora-b")):
-        import torch
-        from peft import PeftModel
-        from transformers import Qwen3_5ForConditionalGeneration
+        import json
 
-        base = Qwen3_5ForConditionalGeneration.from_pretrained(tiny / "dense", dtype=torch.float32).cuda().eval()
+        import torch
+        import transformers
+        from peft import PeftModel
+
+        # Qwen3_5ForConditionalGeneration, or Qwen3_5MoeForConditionalGeneration for a MoE twin
+        arch = json.loads((tiny / "dense" / "config.json").read_text())["architectures"][0]
+        base = getattr(transformers, arch).from_pretrained(tiny / "dense", dtype=torch.float32).cuda().eval()
         model = PeftModel.from_pretrained(base, tiny / adapters[0], adapter_name=adapters[0])
         for name in adapters[1:]:
             model.load_adapter(tiny / name, adapter_name=name)

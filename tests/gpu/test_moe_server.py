@@ -1,0 +1,237 @@
+"""Issue 17 in the user's configuration: the tiny EXL3 MoE hybrid through the real `aphrodite run`.
+
+The checkpoint is make-tiny's ``tiny-moe`` preset (Qwen3_5MoeForConditionalGeneration: GDN and
+attention layers, 4 routed experts of which 2 are active, a shared expert; every projection EXL3,
+experts in mcg, the codebook Aphrodite's MoE kernel takes; bfloat16 config, as exllamav3 writes
+it). Servers run in the default compiled mode (one eager cell as an extra), reached over HTTP with
+the openai client; logprobs are compared with HF transformers + PEFT on the dense twin
+(Qwen3_5MoeForConditionalGeneration with transformers' fused experts).
+
+Cells: LoRA off; LoRA on with the two adapters on attention, GDN and shared-expert projections;
+the same in eager mode; ``lora-experts`` (which also targets the routed experts) given at start-up,
+which must be refused with the modules named; and the failure sequence without the overlay, one
+cell per step (every patch off; P2 and P5 off; P5 off), each recording the engine's own error.
+Shared deviations from the defaults as in test_server.py (--gpu-memory-utilization 0.03 with a
+pinned 2 GiB KV cache so the servers can start at once, --gdn-prefill-backend triton,
+--language-model-only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from harness import Reference
+from server import Server
+from test_server import MAX_MODEL_LEN, TOLERANCE, check, client, complete, gather_completions, prompts, worst
+
+START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))
+BASE_PORT = 8200
+SERVED = "tiny-moe"
+ADAPTERS = ("lora-a", "lora-b")
+REFUSED = "targets the routed experts of EXL3 MoE layers"
+
+# name: LoRA?, adapters given at start-up, extra args, extra env, what the cell must do (serve, refuse,
+# or the text of the upstream error it must stop with; any one of the alternatives)
+CELLS = {
+    "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
+    "moe-compiled-bf16-lora": (True, ADAPTERS, [], {"APHRODITE_ALLOW_RUNTIME_LORA_UPDATING": "1"}, "serve"),
+    "moe-eager-bf16-lora": (True, ADAPTERS, ["--enforce-eager"], {}, "serve"),
+    "moe-compiled-bf16-lora-experts": (True, ("lora-a", "lora-experts"), [], {}, "refuse"),
+    # without the overlay's fixes, in the order the failures appear at start-up
+    "moe-lora-unpatched": (True, ADAPTERS, [], {"HYBRID_EXL3_FIXES_DISABLE": "1"}, ("Missing EXL3 tensors",)),
+    "moe-lora-noP2-noP5": (
+        True,
+        ADAPTERS,
+        [],
+        {"HYBRID_EXL3_FIXES_DISABLE": "P2,P5"},
+        ("Unsupported base layer",),
+    ),
+    "moe-lora-noP5": (
+        True,
+        ADAPTERS,
+        [],
+        {"HYBRID_EXL3_FIXES_DISABLE": "P5"},
+        ("new modular kernel initialization logic", "Old-style modular kernel not supported"),
+    ),
+}
+MAIN = "moe-compiled-bf16-lora"
+
+
+def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
+    lora, adapters, extra, env, _ = CELLS[cell]
+    args = [
+        "--served-model-name",
+        SERVED,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        "--gpu-memory-utilization",
+        "0.03",
+        "--kv-cache-memory-bytes",
+        str(2 << 30),
+        "--gdn-prefill-backend",
+        "triton",
+        "--language-model-only",
+    ]
+    if lora:
+        args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"]
+        args += ["--lora-modules", *(f"{name}={folder / name}" for name in adapters)]
+    return str(folder / "exl3"), args + extra, env
+
+
+@pytest.fixture(scope="session")
+def moe(workdir):
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    dest = workdir / "server-moe"
+    if not (dest / "manifest.json").exists():
+        write_tiny(dest, TinySpec.preset("tiny-moe"))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def moe_fleet(moe, workdir):
+    only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
+    servers = {}
+    for i, cell in enumerate(CELLS):
+        if only and cell not in only:
+            continue
+        model, args, env = server_args(cell, moe)
+        env = {"APHRODITE_CACHE_ROOT": str(workdir / "aphrodite-cache" / cell), **env}
+        servers[cell] = Server(cell, model, args, BASE_PORT + i, workdir / f"server-{cell}.log", env)
+        servers[cell].start()
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_reference(moe):
+    return Reference(moe, ADAPTERS)
+
+
+def ready(fleet, cell) -> Server:
+    if cell not in fleet:
+        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
+    server = fleet[cell]
+    if not server.wait_ready(START_TIMEOUT):
+        raise AssertionError(f"{cell} did not start: {server.root_error() or 'no error line'}\n{server.text()[-3000:]}")
+    return server
+
+
+def model_of(adapter: str | None) -> str:
+    return adapter or SERVED
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_moe_cell(cell, moe_fleet, moe_reference, record):
+    """Start and serve (base and each adapter alone, 16 mixed at once, against HF + PEFT), or the
+    refusal / upstream error the cell must stop with, recorded with the engine's own words."""
+    lora, adapters, extra, env, expect = CELLS[cell]
+    if cell not in moe_fleet:
+        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
+    server = moe_fleet[cell]
+    up = server.wait_ready(START_TIMEOUT)
+    info = {
+        "checkpoint": "bfloat16 (tiny-moe)",
+        "mode": "eager" if "--enforce-eager" in extra else "compiled",
+        "lora": lora,
+        "adapters": list(adapters),
+        "env": " ".join(f"{k}={v}" for k, v in env.items()),
+        "started": up,
+        "ready_s": server.ready_s,
+        "overlay": sorted(set(server.overlay_lines())),
+        **server.startup_figures(),
+    }
+    if expect != "serve":
+        text = server.text()
+        info["root_error"] = server.root_error()[:600]
+        server.stop()
+        if expect == "refuse":
+            info["names_modules"] = "mlp.experts.0.gate_proj" in text
+            record(f"moe {cell}", **info)
+            assert not up, f"{cell} started with an adapter on EXL3 experts"
+            assert REFUSED in text and info["names_modules"], info
+            return
+        record(f"moe {cell}", **info)
+        assert not up, f"{cell} started without the fix it lacks"
+        assert any(alt in text for alt in expect), info
+        return
+    record(f"moe {cell}", **info)
+    if not up:
+        raise AssertionError(f"{cell}: {server.root_error()}\n{server.text()[-2000:]}")
+    models = {m.id for m in client(server).models.list().data}
+    assert models == {SERVED, *adapters}, models
+    if lora:
+        info["lora_layers_left_unwrapped"] = server.text().count("could not be wrapped by any LoRA layer")
+    served = [None, *adapters]
+    rows = {}
+    for adapter in served:
+        got = [check(moe_reference, adapter, complete(server, model_of(adapter), ids)) for ids in prompts(3, 1)]
+        rows[adapter] = got
+        info[f"alone {adapter or 'base'}"] = worst(got)
+        record(f"moe {cell}", **info)
+    jobs = [(model_of(served[i % len(served)]), ids) for i, ids in enumerate(prompts(16, 2))]
+    results = asyncio.run(gather_completions(server, jobs, 8, True))
+    failed = [repr(r) for r in results if isinstance(r, Exception)]
+    mixed = [check(moe_reference, served[i % len(served)], r) for i, r in enumerate(results) if not isinstance(r, Exception)]
+    info["16 mixed"] = {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed)}
+    info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
+    info["tolerance"] = TOLERANCE
+    if lora:
+        base = check(moe_reference, None, complete(server, "lora-a", prompts(1, 1)[0]))
+        info["lora-a vs base reference"] = round(base["max_abs_dlogprob"], 4)
+    record(f"moe {cell}", **info)
+    assert not failed, failed[:3]
+    assert info["max_abs_dlogprob"] < TOLERANCE, info
+    if lora:
+        assert info["lora-a vs base reference"] > 3 * TOLERANCE, "the adapter made no difference"
+    if cell != MAIN:
+        server.stop()
+
+
+def test_moe_expert_adapter_refused_at_runtime_and_the_server_serves_on(moe_fleet, moe, moe_reference, record):
+    """/v1/load_lora_adapter with lora-experts: a 4xx JSON error naming the expert modules, not
+    listed afterwards, server healthy and still serving lora-a as HF + PEFT does; an allowed adapter
+    (lora-b's folder under a new name) loads at runtime and serves lora-b's outputs."""
+    import httpx
+
+    server = ready(moe_fleet, MAIN)
+    refused = httpx.post(
+        server.url + "/v1/load_lora_adapter",
+        json={"lora_name": "experts-runtime", "lora_path": str(moe / "lora-experts")},
+        timeout=120,
+    )
+    try:
+        body = refused.json()
+    except ValueError:
+        body = {"not json": refused.text[:300]}
+    message = str(body.get("error") or body)
+    listed = {m.id for m in client(server).models.list().data}
+    healthy = server.healthy()
+    after = check(moe_reference, "lora-a", complete(server, "lora-a", prompts(1, 7)[0])) if healthy else None
+    allowed = httpx.post(
+        server.url + "/v1/load_lora_adapter",
+        json={"lora_name": "lora-b-runtime", "lora_path": str(moe / "lora-b")},
+        timeout=120,
+    )
+    served_b = check(moe_reference, "lora-b", complete(server, "lora-b-runtime", prompts(1, 8)[0]))
+    info = {
+        "status": refused.status_code,
+        "error": message[:700],
+        "names_modules": "mlp.experts.0.gate_proj" in message,
+        "listed_after": "experts-runtime" in listed,
+        "healthy_after": healthy,
+        "lora-a after": after and round(after["max_abs_dlogprob"], 4),
+        "allowed adapter load": allowed.status_code,
+        "allowed adapter max_abs_dlogprob": round(served_b["max_abs_dlogprob"], 4),
+    }
+    record(f"moe runtime adapters ({MAIN})", **info)
+    assert 400 <= refused.status_code < 500 and REFUSED in message and info["names_modules"], info
+    assert not info["listed_after"] and healthy and after["max_abs_dlogprob"] < TOLERANCE, info
+    assert allowed.status_code == 200 and served_b["max_abs_dlogprob"] < TOLERANCE, info
