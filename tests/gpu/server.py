@@ -78,8 +78,10 @@ class Server:
         """Poll /health until it answers 200 (True), the process exits or the timeout passes (False)."""
         import httpx
 
+        # the deadline counts from the start; a server asked after it has passed is still asked once (run 11:
+        # cells started together were judged "not started" unasked after the first cell's wait had used it up)
         deadline = self.started + timeout
-        while time.monotonic() < deadline:
+        while True:
             if not self.alive():
                 return False
             try:
@@ -88,8 +90,9 @@ class Server:
                     return True
             except httpx.HTTPError:
                 pass
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(2)
-        return False
 
     def healthy(self) -> bool:
         import httpx

@@ -23,10 +23,10 @@ import os
 from pathlib import Path
 
 import pytest
+from test_server import MAX_MODEL_LEN, TOLERANCE, check, client, complete, gather_completions, prompts, worst
 
 from harness import Reference
 from server import Server
-from test_server import MAX_MODEL_LEN, TOLERANCE, check, client, complete, gather_completions, prompts, worst
 
 START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))
 BASE_PORT = 8200
@@ -179,7 +179,9 @@ def test_moe_cell(cell, moe_fleet, moe_reference, record):
     jobs = [(model_of(served[i % len(served)]), ids) for i, ids in enumerate(prompts(16, 2))]
     results = asyncio.run(gather_completions(server, jobs, 8, True))
     failed = [repr(r) for r in results if isinstance(r, Exception)]
-    mixed = [check(moe_reference, served[i % len(served)], r) for i, r in enumerate(results) if not isinstance(r, Exception)]
+    mixed = [
+        check(moe_reference, served[i % len(served)], r) for i, r in enumerate(results) if not isinstance(r, Exception)
+    ]
     info["16 mixed"] = {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed)}
     info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
     info["tolerance"] = TOLERANCE

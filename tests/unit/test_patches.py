@@ -169,6 +169,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P2", "APPLIED"),
         ("P2b", "APPLIED"),
         ("P4", "APPLIED"),
+        ("P5", "APPLIED"),
     ]
     # the registry re-probes after patching; here the probes are asked directly as well
     from hybrid_exl3_fixes.registry import Registry
@@ -214,7 +215,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3"} == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P4", "P2b", "P2", "P1"]
+    assert overlay.undo_all() == ["P5", "P4", "P2b", "P2", "P1"]
     assert all(current()[k] is originals[k] for k in originals)
     assert overlay.undo_all() == []
 
@@ -226,7 +227,14 @@ def test_disable_switch(overlay, monkeypatch):
     original = vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"]
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P1")
     results = {r.patch.id: r.status.value for r in overlay.apply_all()}
-    assert results == {"P1": "DISABLED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS, "P4": "APPLIED"}
+    assert results == {
+        "P1": "DISABLED",
+        "P2": "APPLIED",
+        "P2b": "APPLIED",
+        "P3": NO_KERNELS,
+        "P4": "APPLIED",
+        "P5": "APPLIED",
+    }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
     overlay.REGISTRY.results.clear()
@@ -262,9 +270,9 @@ def test_fixed_release_is_left_alone(overlay):
             return f"{type(exc).__name__}: {exc}"
 
     assert outcome(before[1], fake_exl3_layer()) == outcome(utils._get_lora_device, fake_exl3_layer())
-    # P2b and P4 are still needed there (0.24.1 has the same weight property and the same apply)
-    assert results["P2b"].status.value == results["P4"].status.value == "APPLIED"
-    assert "hybrid-exl3-fixes: applied=3 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
+    # P2b, P4 and P5 are still needed there (0.24.1 has the same weight property, apply and MoE LoRA wrapper)
+    assert results["P2b"].status.value == results["P4"].status.value == results["P5"].status.value == "APPLIED"
+    assert "hybrid-exl3-fixes: applied=4 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 

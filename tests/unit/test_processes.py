@@ -68,10 +68,18 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
     assert proc.returncode == 0, proc.stderr
     out = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     if HAS_UPSTREAM_BUGS:
-        assert out["results"] == {"P1": "APPLIED", "P2": "APPLIED", "P2b": "APPLIED", "P3": NO_KERNELS, "P4": "APPLIED"}
+        assert out["results"] == {
+            "P1": "APPLIED",
+            "P2": "APPLIED",
+            "P2b": "APPLIED",
+            "P3": NO_KERNELS,
+            "P4": "APPLIED",
+            "P5": "APPLIED",
+        }
         assert "hybrid-exl3-fixes: applied=4 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
     else:
         assert out["results"]["P1"] == "UPSTREAM_FIXED" and out["results"]["P2"] == "APPLIED"  # its MoE branch
+        assert out["results"]["P5"] == "APPLIED"  # EXL3 MoE + LoRA, in every release
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -232,6 +240,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P2b": "UPSTREAM_FIXED",
         "P3": NO_KERNELS,
         "P4": "UPSTREAM_FIXED",
+        "P5": "UPSTREAM_FIXED",
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

@@ -105,7 +105,11 @@ def probe_exl3_moe_lora(live: dict[str, Live]) -> bool:
 def exl3_moe_names(model: Any) -> list[str]:
     """The model's MoE modules whose experts are EXL3 (FusedMoE or MoERunner, never a LoRA wrapper)."""
     cls = moe_layer_class()
-    return [name for name, module in model.named_modules() if isinstance(module, cls) and exl3_placeholder(module) is not None]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, cls) and exl3_placeholder(module) is not None
+    ]
 
 
 def expert_modules(names) -> list[str]:
