@@ -232,6 +232,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         tp=args.tp,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         kv_dtype=args.kv_dtype,
         utilization=args.gpu_memory_utilization,
         language_model_only=args.language_model_only,
@@ -316,7 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--gpus", type=positive_int, default=1)
     doctor.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     doctor.add_argument("--max-model-len", type=positive_int)
-    doctor.add_argument("--max-num-seqs", type=positive_int, default=256)
+    doctor.add_argument(
+        "--max-num-seqs", type=positive_int, help="default: the engine's (1024 on a GPU of >= 70 GiB, else 256)"
+    )
+    doctor.add_argument(
+        "--max-num-batched-tokens", type=positive_int, help="default: the engine's (8192 on >= 70 GiB, else 2048)"
+    )
+    doctor.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (their memory leaves the plan)")
+    doctor.add_argument("--max-loras", type=positive_int, default=1, help="with --enable-lora (engine default 1)")
+    doctor.add_argument("--max-lora-rank", type=positive_int, default=16, help="with --enable-lora (engine default 16)")
     doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
     doctor.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     doctor.add_argument(

@@ -18,7 +18,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import memplan
 from .exl3 import HAD, splits_into_blocks
+from .memplan import Engine
 from .modelfiles import (
     TORCH_DTYPE_NAMES,
     Fields,
@@ -95,6 +97,9 @@ class Shape:
     declared_dtype: str | None = None
     name_or_path: str | None = None
     moe: dict | None = None  # experts, per_token, intermediate, shared_intermediate (MoE configs)
+    vocab: int | None = None  # these three size the memory plan's activation and LoRA terms only:
+    intermediate: int | None = None  # read without complaint (a missing one leaves its term smaller)
+    ssm_dtype: str | None = None  # text_config.mamba_ssm_dtype: the GDN state's dtype when given
 
     @property
     def full_layers(self) -> int:
@@ -167,6 +172,12 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
         gdn["kernel"] = text.positive_int("linear_conv_kernel_dim", required=False, hint=FIX_CONFIG) or 4
         shape.gdn = gdn if all(v is not None for v in gdn.values()) else None
     shape.max_position = text.positive_int("max_position_embeddings", required=False, hint=FIX_CONFIG)
+    data = text.data
+    shape.vocab = data.get("vocab_size") if is_int(data.get("vocab_size")) and data["vocab_size"] > 0 else None
+    inter = data.get("intermediate_size")
+    shape.intermediate = inter if is_int(inter) and inter > 0 else None
+    ssm = data.get("mamba_ssm_dtype")
+    shape.ssm_dtype = ssm if ssm in ("float32", "bfloat16", "float16") else None
     if "num_experts" in text.data or "Moe" in (shape.arch or ""):
         hint = ": the routed experts are sized from it" + FIX_CONFIG
         shape.moe = {
@@ -260,27 +271,34 @@ def read_weights(report: Report, folder: Path) -> dict[str, dict]:
     return tensors
 
 
-def kv_bytes_per_token(shape: Shape, kv_dtype: str) -> tuple[int, str]:
+def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> tuple[int, str]:
+    del dtype  # bfloat16 and float16 KV are both 2 B
     full = shape.full_layers
     heads, dim = shape.kv_heads or 0, shape.head_dim or 0
     width = 1 if kv_dtype.startswith("fp8") else 2
     return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
 
 
-def state_bytes_per_sequence(shape: Shape) -> tuple[int, int, str]:
+def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int, int, str]:
+    """The GDN state of one sequence. aphrodite 0.21 keeps it in the activations' dtype unless the config's
+    ``mamba_ssm_dtype`` names the recurrent state's (models/config.py; an H200 start-up's block size and
+    padding confirmed 2 B for a bfloat16 config without it, docs/gpu-results.md "memory plan")."""
     linear = shape.linear_layers
     if not linear or shape.gdn is None:
         return 0, 0, "no linear-attention layers"
     g = shape.gdn
     vh, kd, vd, kh, kernel = g["value_heads"], g["key_dim"], g["value_dim"], g["key_heads"], g["kernel"]
-    recurrent = linear * vh * kd * vd * 4
-    conv = linear * (2 * kh * kd + vh * vd) * (kernel - 1) * 2
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    ssm = {"float32": 4, "bfloat16": 2, "float16": 2}.get(shape.ssm_dtype or "", width)
+    recurrent = linear * vh * kd * vd * ssm
+    conv = linear * (2 * kh * kd + vh * vd) * (kernel - 1) * width
+    source = "mamba_ssm_dtype" if shape.ssm_dtype else dtype
     return (
         recurrent,
         conv,
         (
-            f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x 4 B recurrent "
-            f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x 2 B)"
+            f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x {ssm} B recurrent ({source}) "
+            f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x {width} B)"
         ),
     )
 
@@ -604,13 +622,17 @@ def diagnose(
     gpus: int = 1,
     tp: int = 1,
     max_model_len: int | None = None,
-    max_num_seqs: int = 256,
+    max_num_seqs: int | None = None,
     kv_dtype: str = "auto",
     utilization: float = 0.9,
     language_model_only: bool = False,
     check_overlay: bool = True,
     enable_lora: bool = False,
     dtype: str = "auto",
+    max_num_batched_tokens: int | None = None,
+    enforce_eager: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
 ) -> Report:
     """Every check on the folder, each problem one finding (a broken input never stops the others)."""
     folder = Path(model_dir)
@@ -647,37 +669,33 @@ def diagnose(
         tensors,
         gpu_mem,
         gpus,
-        tp,
-        max_model_len,
-        max_num_seqs,
-        kv_dtype,
-        utilization,
-        language_model_only,
+        Engine(
+            gpu_mem or 0,
+            tp=tp,
+            utilization=utilization,
+            max_model_len=max_model_len or shape.max_position or 4096,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_dtype=kv_dtype,
+            dtype=activation_dtype(shape, dtype)[0],
+            eager=enforce_eager,
+            lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            language_model_only=language_model_only,
+        ),
     )
     return report
 
 
-def memory_plan(
-    report: Report,
-    folder: Path,
-    shape: Shape,
-    tensors: dict,
-    gpu_mem,
-    gpus,
-    tp,
-    max_model_len,
-    max_num_seqs,
-    kv_dtype,
-    utilization,
-    language_model_only,
-) -> dict:
+def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_mem, gpus, eng: Engine) -> dict:
     """The plan's terms, each with its formula; empty when config.json lacks what a term needs."""
     if not (shape.kv_ready and shape.state_ready):
         if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
             report.add("WARN", "memory", "no memory plan: config.json lacks the fields above")
         return {}
-    kv_tok, kv_formula = kv_bytes_per_token(shape, kv_dtype)
-    recurrent, conv, state_formula = state_bytes_per_sequence(shape)
+    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype, eng.dtype)
+    recurrent, conv, state_formula = state_bytes_per_sequence(shape, eng.dtype)
     per_seq_state = recurrent + conv
     weights = sum(t["bytes"] for t in tensors.values())
     exl3_weights = sum(
@@ -685,7 +703,7 @@ def memory_plan(
     )
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
     expert_weights = sum(t["bytes"] for n, t in tensors.items() if ".mlp.experts." in n)
-    img_tokens, img_formula = image_tokens(report, folder, shape, language_model_only)
+    img_tokens, img_formula = image_tokens(report, folder, shape, eng.language_model_only)
     plan = {
         "kv_bytes_per_token": kv_tok,
         "kv_formula": kv_formula,
@@ -709,47 +727,51 @@ def memory_plan(
                 f"{m['experts']} experts read per token per layer",
             }
         )
-    if gpu_mem:
-        used_weights = weights - (vision_weights if language_model_only else 0)
-        image_reserve = 0 if language_model_only else img_tokens * kv_tok
-        budget = gpu_mem * GIB * utilization * tp
-        pool = budget - used_weights - image_reserve
-        context = max_model_len or shape.max_position or 4096
-        per_seq = context * kv_tok + per_seq_state
-        max_seqs = max(0, int(pool // per_seq)) if pool > 0 and per_seq > 0 else 0
-        plan.update(
-            {
-                "gpu_budget_bytes": int(budget),
-                "image_reservation_bytes": image_reserve,
-                "kv_pool_bytes": int(pool),
-                "context": context,
-                "bytes_per_sequence_at_context": per_seq,
-                "max_concurrency_at_context": min(max_seqs, max_num_seqs),
-                "replicas": max(1, gpus // tp),
-                "pool_formula": (
-                    f"{gpu_mem:g} GiB x {utilization:g} x TP {tp} - weights {used_weights / GIB:.2f} GiB "
-                    f"- image reservation {image_reserve / GIB:.2f} GiB"
-                ),
-                "concurrency_formula": f"pool / ({context:,} tokens x {kv_tok:,} B + {per_seq_state:,} B state)",
-            }
+    if not gpu_mem:
+        return plan
+    engine = memplan.plan(shape, tensors, eng, exl3=bool(exl3_weights))
+    cap = engine["capacity"]
+    pool = engine["available_kv_bytes"]
+    plan.update(
+        {
+            "engine": engine["engine"],
+            "terms": engine["terms"],
+            "layout": engine["layout"],
+            "capacity": cap,
+            "kv_pool_bytes": pool,
+            "context": eng.max_model_len,
+            "kv_cache_tokens": cap["kv_cache_tokens"],
+            "max_concurrency": cap["max_concurrency"],
+            "max_concurrency_at_context": min(int(cap["max_concurrency"]), eng.max_num_seqs),
+            "pin_kv_cache_memory": engine["pin_kv_cache_memory"],
+            "replicas": max(1, gpus // eng.tp),
+            "pool_formula": "requested - " + " - ".join(k for k in engine["terms"] if k != "requested"),
+            "concurrency_formula": cap["formula"],
+        }
+    )
+    context = eng.max_model_len
+    if pool <= 0:
+        report.add(
+            "BLOCK",
+            "memory",
+            f"weights, activations and CUDA graphs ({engine['non_kv_bytes'] / GIB:.2f} GiB) do not fit in "
+            f"{gpu_mem:g} GiB x {eng.utilization:g} per GPU at TP {eng.tp}",
         )
-        if pool <= 0:
-            report.add("BLOCK", "memory", f"weights and the image reservation do not fit in {gpu_mem:g} GiB x {tp}")
-        elif max_seqs < 1:
-            report.add("BLOCK", "memory", f"not one sequence of {context:,} tokens fits in the KV pool")
-        elif image_reserve > 0.25 * pool:
-            report.add(
-                "WARN",
-                "memory",
-                f"the default image budget reserves {image_reserve / GIB:.2f} GiB of KV "
-                f"({img_formula}); lower size.longest_edge in preprocessor_config.json or serve text only",
-            )
-        else:
-            report.add(
-                "OK",
-                "memory",
-                f"KV pool {pool / GIB:.2f} GiB: {min(max_seqs, max_num_seqs)} sequences of {context:,} tokens",
-            )
+    elif cap["max_concurrency"] < 1:
+        report.add(
+            "BLOCK",
+            "memory",
+            f"not one sequence of {context:,} tokens fits in the KV pool of {pool / GIB:.2f} GiB: the engine "
+            "refuses to start; lower --max-model-len",
+        )
+    else:
+        report.add(
+            "OK",
+            "memory",
+            f"KV pool {pool / GIB:.2f} GiB per GPU: {cap['kv_cache_tokens']:,} tokens, concurrency "
+            f"{cap['max_concurrency']:.2f}x at {context:,} tokens; after the first start pin the engine's own "
+            "figure with --kv-cache-memory (it skips profiling and survives other processes' memory)",
+        )
     return plan
 
 
@@ -772,10 +794,19 @@ def render(report: Report) -> str:
                 f"{p['expert_formula']}"
             )
         if "kv_pool_bytes" in p:
-            lines.append(f"  KV pool             {p['kv_pool_bytes'] / GIB:,.2f} GiB = {p['pool_formula']}")
+            lines.append(f"  engine              {p['engine']['defaults']}")
+            for name, t in p["terms"].items():
+                sign = "" if name == "requested" else "- "
+                lines.append(f"  {sign + name:<19} {t['gib']:>7.3f} GiB = {t['formula']} [{t['basis']}]")
+            lines.append(f"  = KV pool           {p['kv_pool_bytes'] / GIB:7.3f} GiB per GPU")
+            lines.append(f"  KV layout           {p['layout']['formula']}")
             lines.append(
-                f"  max concurrency     {p['max_concurrency_at_context']} at {p['context']:,} tokens = "
-                f"{p['concurrency_formula']} (capped by --max-num-seqs)"
+                f"  capacity            {p['kv_cache_tokens']:,} tokens, concurrency {p['max_concurrency']:.2f}x at "
+                f"{p['context']:,} tokens = {p['concurrency_formula']}"
+            )
+            lines.append(
+                f"  pin after a start   --kv-cache-memory {p['pin_kv_cache_memory']:,} (this plan's pool less the "
+                "engine's 150 MiB margin; prefer the figure the engine logs)"
             )
     lines.append({0: "result: ok", 1: "result: warnings", 2: "result: blocking problems"}[report.exit_code])
     return "\n".join(lines)

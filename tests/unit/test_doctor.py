@@ -43,11 +43,24 @@ def test_27b_hybrid_economics(tmp_path):
     )
     plan = diagnose(tmp_path, check_overlay=False).plan
     assert plan["kv_bytes_per_token"] == 64 * 1024  # 16 full layers x 4 x 256 x 2 x 2 B
-    assert plan["recurrent_state_bytes_per_sequence"] == 144 * 1024 * 1024  # 48 layers x 3 MiB
-    assert plan["state_bytes_per_sequence"] < 150 * 1024 * 1024  # + the small conv state
+    # the GDN state in the activations' dtype (bfloat16) unless mamba_ssm_dtype says otherwise (run 11)
+    assert plan["recurrent_state_bytes_per_sequence"] == 72 * 1024 * 1024  # 48 layers x 1.5 MiB
+    assert plan["state_bytes_per_sequence"] < 75 * 1024 * 1024  # + the small conv state
     assert plan["image_tokens_per_image"] == 16384
     fp8 = diagnose(tmp_path, kv_dtype="fp8", check_overlay=False).plan
     assert fp8["kv_bytes_per_token"] == 32 * 1024
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": {**QWEN36_27B_TEXT, "mamba_ssm_dtype": "float32"},
+            }
+        )
+    )
+    fp32 = diagnose(tmp_path, check_overlay=False).plan
+    assert (
+        fp32["recurrent_state_bytes_per_sequence"] == 144 * 1024 * 1024 and "mamba_ssm_dtype" in fp32["state_formula"]
+    )
 
 
 def test_27b_on_four_24g_cards(tmp_path):
@@ -56,9 +69,16 @@ def test_27b_on_four_24g_cards(tmp_path):
     )
     report = diagnose(tmp_path, gpu_mem=24, gpus=4, tp=4, max_model_len=131072, check_overlay=False)
     p = report.plan
-    assert p["image_reservation_bytes"] == 16384 * 64 * 1024  # 1 GiB of KV for one default image
-    assert p["bytes_per_sequence_at_context"] == 131072 * 65536 + p["state_bytes_per_sequence"]
-    assert p["max_concurrency_at_context"] == int(p["kv_pool_bytes"] // p["bytes_per_sequence_at_context"])
+    # a 24 GB card gets the small batch defaults; every term is in the plan with its formula
+    assert (p["engine"]["max_num_batched_tokens"], p["engine"]["max_num_seqs"]) == (2048, 256)
+    assert set(p["terms"]) >= {"requested", "weights", "activation_peak", "non_torch", "cudagraphs"}
+    assert all(t["formula"] and t["basis"] for t in p["terms"].values())
+    assert p["kv_pool_bytes"] == p["terms"]["requested"]["bytes"] - sum(
+        t["bytes"] for k, t in p["terms"].items() if k != "requested"
+    )
+    # per rank: 4 KV heads / TP 4 = 1; the block holds a whole GDN state page
+    assert p["layout"]["page_bytes_per_token"] == 2 * 1 * 256 * 2
+    assert p["max_concurrency_at_context"] == min(int(p["max_concurrency"]), 256)
     assert levels(report)["processor"] == "BLOCK"  # no processor files in this folder
     assert report.exit_code == 2
 

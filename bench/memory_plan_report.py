@@ -1,0 +1,237 @@
+"""Issue 19: doctor's memory plan (overlay/memplan.py) against what aphrodite logged at start-up.
+
+    python3 bench/memory_plan_report.py [--out bench/results]
+
+Writes ``memory_plan.csv`` and ``memory_plan.md``: per configuration the predicted and the logged
+figure, and their ratio. Two kinds of row:
+
+- ``pool``: the whole plan. The engine profiled its memory (`aphrodite run`, run 11, DEBUG log with
+  the profiling split; or the benchmark's offline engine, run 10, INFO log): predicted available KV
+  memory, KV tokens and concurrency against the logged ones.
+- ``layout``: the KV layout alone. The server pinned its pool (--kv-cache-memory-bytes 2 GiB, the
+  server suites of runs 10 and 11): predicted tokens and concurrency for that pool against the
+  logged ones (block size, page, groups, blocks per request).
+
+The inputs are committed: each log, and what doctor reads of each model (the run's
+``inputs-*.json``, or make-tiny's spec, whose config is rebuilt here without weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "docs" / "gpu-runs"
+GIB = 1 << 30
+sys.path.insert(0, str(ROOT / "bench"))
+
+FIG = {
+    "available_kv_gib": r"Available KV cache memory: ([\d.]+) GiB",
+    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
+    "block_size": r"Setting attention block size to (\d+) tokens",
+    "weights_gib": r"weights memory: ([\d.]+)GiB",
+    "torch_peak_gib": r"torch peak memory increase: ([\d.]+)GiB",
+    "non_torch_gib": r"non-torch forward increase memory: ([\d.]+)GiB",
+    "cudagraph_gib": r"Estimated CUDA graph memory: ([\d.]+) GiB total",
+}
+
+
+def logged(text: str) -> dict:
+    out = {}
+    for key, pattern in FIG.items():
+        m = re.search(pattern, text)
+        if m:
+            out[key] = float(m.group(1).replace(",", ""))
+    return out
+
+
+def tar_member(tgz: Path, name: str) -> str:
+    with tarfile.open(tgz) as tar:
+        for member in tar.getmembers():
+            if member.name.endswith(name):
+                return tar.extractfile(member).read().decode(errors="replace")
+    raise FileNotFoundError(f"{name} in {tgz}")
+
+
+def shape_of(config: dict):
+    from hybrid_exl3_fixes.doctor import parse_config
+
+    shape, problems = parse_config(config)
+    if problems:
+        raise ValueError(problems)
+    return shape
+
+
+def tiny_config(preset: str, **overrides) -> dict:
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, hf_config
+
+    return hf_config(TinySpec.preset(preset, **overrides) if preset != "tiny" else TinySpec(**overrides))
+
+
+def rows() -> list[dict]:
+    """(kind, name, source, config, tensors, engine arguments, logged text)."""
+    from hybrid_exl3_fixes.memplan import Engine
+
+    run10, run11 = RUNS / "2026-12-01-run10", RUNS / "2026-12-01-run11"
+    out = []
+    inputs = json.loads((run11 / "cal" / "inputs-9b-exl3.json").read_text())
+    for name, lora in (("9b-24g", False), ("9b-24g-lora", True)):
+        out.append(
+            dict(
+                kind="pool",
+                name=f"{name} (aphrodite run, compiled, 24 GB card emulated)",
+                source=f"run11/cal/{name}.log",
+                config=inputs["config.json"],
+                tensors=inputs["tensors"],
+                engine=Engine(24, max_model_len=32768, language_model_only=True, lora=lora, max_loras=4),
+                text=(run11 / "cal" / f"{name}.log").read_text(errors="replace"),
+            )
+        )
+    # the benchmark's offline engines (bench/serving.py: LLM(..., gpu_memory_utilization=0.85)), INFO logs
+    m27 = Path("/tmp/m27b4/exl3")
+    if (m27 / "config.json").exists():
+        from hybrid_exl3_fixes.doctor import Report, read_weights
+
+        cfg = json.loads((m27 / "config.json").read_text())
+        tensors = read_weights(Report(str(m27)), m27)
+        (run10 / "bench" / "inputs-27b4-exl3.json").write_text(json.dumps({"config.json": cfg, "tensors": tensors}))
+    saved_path = run10 / "bench" / "inputs-27b4-exl3.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
+    for name, lora in (("exl3", False), ("exl3+lora", True)) if saved else ():
+        out.append(
+            dict(
+                kind="pool",
+                name=f"27B-width 4 layers, {name} (offline LLM, compiled, H200, util 0.85)",
+                source=f"run10/bench/engine-{name}.log",
+                config=saved["config.json"],
+                tensors=saved["tensors"],
+                engine=Engine(
+                    139.8,
+                    utilization=0.85,
+                    max_model_len=16384,
+                    max_num_seqs=128,
+                    max_num_batched_tokens=16384,
+                    language_model_only=True,
+                    lora=lora,
+                    max_loras=4,
+                    max_lora_rank=8,
+                ),
+                text=(run10 / "bench" / f"engine-{name}.log").read_text(errors="replace"),
+            )
+        )
+    pinned = [
+        ("tiny bf16", "run10", "server-compiled-bf16-nolora.log", tiny_config("tiny"), "auto"),
+        ("tiny fp16", "run10", "server-compiled-fp16-nolora.log", tiny_config("tiny", dtype="float16"), "auto"),
+        ("tiny bf16, fp8 KV", "run10", "server-compiled-bf16-lora-fp8kv.log", tiny_config("tiny"), "fp8"),
+        ("tiny-moe bf16", "run11", "server-moe-compiled-bf16-nolora.log", tiny_config("tiny-moe"), "auto"),
+    ]
+    for label, run, log, cfg, kv in pinned:
+        tgz = (run10 / "server" / "engine-logs.tgz") if run == "run10" else (run11 / "moe" / "engine-logs.tgz")
+        out.append(
+            dict(
+                kind="layout",
+                name=f"{label} (aphrodite run, --kv-cache-memory-bytes 2 GiB)",
+                source=f"{run}/{log}",
+                config=cfg,
+                tensors={},
+                engine=Engine(139.8, max_model_len=2048, kv_dtype=kv, dtype=cfg.get("dtype", "bfloat16")),
+                text=tar_member(tgz, log),
+                pool=2 << 30,
+            )
+        )
+    return out
+
+
+def evaluate(row: dict) -> dict:
+    from hybrid_exl3_fixes import memplan
+
+    shape = shape_of(row["config"])
+    got = logged(row["text"])
+    eng = row["engine"]
+    layout = memplan.kv_layout(shape, eng)
+    result = {"kind": row["kind"], "configuration": row["name"], "source": row["source"]}
+    if row["kind"] == "layout":
+        cap = memplan.kv_capacity(layout, row["pool"], eng.max_model_len)
+        pairs = {"block_size": layout["block_size"], **{k: cap[k] for k in ("kv_cache_tokens", "max_concurrency")}}
+    else:
+        exl3 = any(n.endswith(".trellis") for n in row["tensors"])
+        plan = memplan.plan(shape, row["tensors"], eng, exl3)
+        cap = plan["capacity"]
+        t = plan["terms"]
+        pairs = {
+            "weights_gib": round(
+                (t["weights"]["bytes"] + t["lora_buffers"]["bytes"] + t["load_overhead"]["bytes"]) / GIB, 2
+            ),
+            "torch_peak_gib": t["activation_peak"]["gib"],
+            "non_torch_gib": t["non_torch"]["gib"],
+            "cudagraph_gib": t["cudagraphs"]["gib"],
+            "available_kv_gib": plan["available_kv_gib"],
+            "block_size": layout["block_size"],
+            "kv_cache_tokens": cap["kv_cache_tokens"],
+            "max_concurrency": cap["max_concurrency"],
+        }
+    for key, predicted in pairs.items():
+        result[f"{key} predicted"] = predicted
+        result[f"{key} logged"] = got.get(key)
+        result[f"{key} ratio"] = round(predicted / got[key], 4) if got.get(key) else None
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "# doctor's memory plan against aphrodite's start-up log (issue 19)",
+        "",
+        "Generated by `python3 bench/memory_plan_report.py`; predicted by `overlay/memplan.py`, logged by",
+        "aphrodite-engine 0.21.0 on one H200 (runs 10 and 11, docs/gpu-runs/). Ratio = predicted / logged.",
+        "",
+    ]
+    for kind, keys in (
+        (
+            "pool",
+            ["weights_gib", "torch_peak_gib", "non_torch_gib", "cudagraph_gib", "available_kv_gib", "kv_cache_tokens"],
+        ),
+        ("layout", ["block_size", "kv_cache_tokens", "max_concurrency"]),
+    ):
+        chosen = [r for r in results if r["kind"] == kind]
+        if not chosen:
+            continue
+        lines.append("## Whole plan (the engine profiled)" if kind == "pool" else "## KV layout (pool pinned at 2 GiB)")
+        lines.append("")
+        lines.append("| configuration | " + " | ".join(f"{k} predicted / logged (ratio)" for k in keys) + " |")
+        lines.append("|---|" + "---|" * len(keys))
+        for r in chosen:
+            cells = []
+            for k in keys:
+                p, g, q = r.get(f"{k} predicted"), r.get(f"{k} logged"), r.get(f"{k} ratio")
+                cells.append(
+                    "-" if p is None else f"{p:,} / {'n/a' if g is None else f'{g:,}'}" + (f" ({q})" if q else "")
+                )
+            lines.append(f"| {r['configuration']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    results = [evaluate(r) for r in rows()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    keys = sorted({k for r in results for k in r}, key=lambda k: (k not in ("kind", "configuration", "source"), k))
+    with open(args.out / "memory_plan.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(results)
+    (args.out / "memory_plan.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

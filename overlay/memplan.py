@@ -1,0 +1,302 @@
+"""The engine's memory arithmetic for a hybrid GDN model, term by term (doctor's memory plan).
+
+Each term carries its bytes, its formula, and its basis: ``code`` (aphrodite-engine 0.21.0's own
+arithmetic, restated; exact up to rounding), ``measured`` (a constant taken from an H200 start-up log,
+docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the term says) or
+``bound`` (not derived; a range). Sources, all in aphrodite-engine 0.21.0:
+
+- requested memory = ceil(total x --gpu-memory-utilization) (v1/worker/utils.py request_memory);
+  available KV = requested - (weights + torch peak + non-torch increase) - CUDA graph estimate
+  (v1/worker/gpu_worker.py determine_available_memory; the estimate is subtracted by default since
+  0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1).
+- batch defaults: a GPU of >= 70 GiB (not an A100) gets --max-num-batched-tokens 8192 and
+  --max-num-seqs 1024 under `aphrodite run`; smaller GPUs 2048 and 256 (engine/arg_utils.py
+  get_batch_defaults): the one place the GPU model changes the plan by itself.
+- hybrid page: attention page per token 2 x KV heads/TP x head_dim x bytes; GDN state page
+  conv_dim/TP x (kernel - 1) x bytes + value_heads/TP x value_dim x key_dim x bytes, both in the model
+  dtype unless text_config.mamba_ssm_dtype names the SSM state's (models/config.py
+  Qwen3_5ForConditionalGenerationConfig); attention block = 16 x ceil(state page / (16 x page per
+  token)), the state page padded to the attention page (platforms/interface.py).
+- groups: group size = min(full, linear layers) (max when max < 1.5 x min), each kind split into
+  groups of that size; blocks = available // page // group size; blocks per request = attention
+  groups x ceil(max_model_len / block) + state groups; concurrency = blocks / that; "GPU KV cache
+  size" = int(concurrency x max_model_len) tokens (v1/core/kv_cache_utils.py).
+- CUDA graphs: capture sizes 1, 2, 4, 8..248 step 8, 256..max step 16 with max = min(2 x
+  max_num_seqs, 512, max_num_batched_tokens) (config/aphrodite.py), piecewise graphs at every size,
+  FULL decode graphs at sizes <= max_num_seqs, each set twice with LoRA on; estimate = the larger first
+  capture + the others' per-graph cost (gpu_model_runner.py profile_cudagraph_memory).
+- EXL3 GEMM: more than 32 rows reconstruct the whole fp16 weight of the tensor first
+  (quantization/exl3.py _exl3_linear_one): the profiling run's sampler pass (max_num_seqs rows through
+  lm_head) holds a vocab x hidden fp16 copy of an EXL3 head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1 << 30
+MIB = 1 << 20
+BIG_GPU_GIB = 70  # get_batch_defaults: >= 70 GiB (and not an A100) gets the large batch defaults
+REDUNDANCY = 150 * MIB  # gpu_worker.py: the margin the engine leaves in its own --kv-cache-memory advice
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+# Measured on the H200 (run 11, docs/gpu-results.md "memory plan"); see each term for what they stand for.
+NON_TORCH = int(0.27 * GIB)  # non-torch increase during profiling at TP 1 (cuBLAS/Triton workspaces)
+LOAD_OVERHEAD = 30 * MIB  # model loading beyond the tensors: fixed part ...
+LOAD_OVERHEAD_PER_LAYER = 4 * MIB  # ... and per decoder layer (tiny-moe 0.05 GiB, 9B 0.158 GiB over headers)
+PIECEWISE_PER_GRAPH = 8 * MIB  # profile_cudagraph_memory's per-graph figures on the 9B
+FULL_PER_GRAPH = 6 * MIB
+FULL_PER_GRAPH_LORA = 4 * MIB
+
+
+@dataclass
+class Engine:
+    """The engine arguments the plan depends on, resolved as aphrodite 0.21 resolves them."""
+
+    gpu_gib: float
+    tp: int = 1
+    utilization: float = 0.9
+    max_model_len: int = 4096
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_dtype: str = "auto"
+    dtype: str = "bfloat16"  # the activations' (and so the KV cache's and the GDN state's) dtype
+    eager: bool = False
+    lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    language_model_only: bool = False
+
+    def __post_init__(self):
+        big = self.gpu_gib >= BIG_GPU_GIB
+        self.max_num_seqs = self.max_num_seqs or (1024 if big else 256)
+        self.max_num_batched_tokens = self.max_num_batched_tokens or (8192 if big else 2048)
+
+    @property
+    def defaults_note(self) -> str:
+        big = self.gpu_gib >= BIG_GPU_GIB
+        return (
+            f"`aphrodite run` defaults on a {'>=' if big else '<'} {BIG_GPU_GIB} GiB GPU: "
+            f"--max-num-batched-tokens {8192 if big else 2048}, --max-num-seqs {1024 if big else 256}"
+        )
+
+
+def term(value: int, formula: str, basis: str) -> dict:
+    return {"bytes": int(value), "gib": round(value / GIB, 3), "formula": formula, "basis": basis}
+
+
+def capture_sizes(eng: Engine) -> tuple[list[int], list[int]]:
+    """(piecewise sizes, FULL decode sizes) as config/aphrodite.py builds them."""
+    largest = min(2 * eng.max_num_seqs, 512, eng.max_num_batched_tokens)
+    sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)] if s <= largest]
+    return sizes, [s for s in sizes if s <= eng.max_num_seqs]
+
+
+def kv_layout(shape, eng: Engine) -> dict:
+    """Page sizes, block size and groups of the hybrid KV cache (per rank)."""
+    kv_bytes = DTYPE_BYTES.get(eng.kv_dtype, 2) if eng.kv_dtype != "auto" else DTYPE_BYTES[eng.dtype]
+    state_bytes = DTYPE_BYTES[eng.dtype]
+    ssm_bytes = DTYPE_BYTES.get(shape.ssm_dtype or "", state_bytes)
+    kv_heads = max(1, (shape.kv_heads or 0) // eng.tp) if shape.full_layers else 0
+    per_token = 2 * kv_heads * (shape.head_dim or 0) * kv_bytes
+    state = 0
+    if shape.linear_layers and shape.gdn:
+        g = shape.gdn
+        conv_dim = (2 * g["key_heads"] * g["key_dim"] + g["value_heads"] * g["value_dim"]) // eng.tp
+        state = conv_dim * (g["kernel"] - 1) * state_bytes + (
+            g["value_heads"] // eng.tp * g["value_dim"] * g["key_dim"] * ssm_bytes
+        )
+    block = 16
+    if state and per_token:
+        block = max(16, 16 * math.ceil(state / (16 * per_token)))
+    page = block * per_token if per_token else state
+    full, linear = shape.full_layers, shape.linear_layers
+    counts = [n for n in (full, linear) if n]
+    group = min(counts) if counts else 1
+    if counts and max(counts) < 1.5 * min(counts):
+        group = max(counts)
+    attn_groups = math.ceil(full / group) if full else 0
+    state_groups = math.ceil(linear / group) if linear else 0
+    return {
+        "page_bytes_per_token": per_token,
+        "state_page_bytes": state,
+        "block_size": block,
+        "page_bytes": page,
+        "group_size": group,
+        "attention_groups": attn_groups,
+        "state_groups": state_groups,
+        "formula": (
+            f"page per token 2 x {kv_heads} KV heads x {shape.head_dim} x {kv_bytes} B = {per_token:,} B; state page "
+            f"{state:,} B (SSM state {ssm_bytes} B/value); block {block} tokens = 16 x ceil(state / (16 x page per "
+            f"token)); page {page:,} B; {full} full + {linear} linear layers in groups of {group}: "
+            f"{attn_groups} attention + {state_groups} state groups"
+        ),
+    }
+
+
+def kv_capacity(layout: dict, pool: int, max_model_len: int) -> dict:
+    """Blocks, concurrency and token capacity the engine reports for a KV pool of ``pool`` bytes."""
+    blocks = max(0, int(pool // layout["page_bytes"] // layout["group_size"])) if layout["page_bytes"] else 0
+    per_request = layout["attention_groups"] * math.ceil(max_model_len / layout["block_size"]) + layout["state_groups"]
+    concurrency = blocks / per_request if per_request else 0.0
+    return {
+        "blocks": blocks,
+        "blocks_per_request": per_request,
+        "max_concurrency": round(concurrency, 2),
+        "kv_cache_tokens": int(concurrency * max_model_len),
+        "formula": (
+            f"blocks = pool // {layout['page_bytes']:,} B // {layout['group_size']} = {blocks:,}; per request "
+            f"{layout['attention_groups']} x ceil({max_model_len:,} / {layout['block_size']}) + "
+            f"{layout['state_groups']} = {per_request}; concurrency {concurrency:.2f}"
+        ),
+    }
+
+
+def lora_linears(shape) -> list[tuple[int, int, int]]:
+    """(slices, in, out) at TP 1 of every linear the LoRA manager wraps (the routed experts of an EXL3 MoE
+    stay unwrapped, P5), from the config: qwen3_5.py's projections with LoRA on."""
+    h, out = shape.hidden or 0, []
+    g = shape.gdn or {}
+    for kind in shape.layer_types:
+        if kind == "linear_attention" and g:
+            key, value = g["key_heads"] * g["key_dim"], g["value_heads"] * g["value_dim"]
+            out += [(3, h, 2 * key + value), (1, h, value), (2, h, 2 * g["value_heads"]), (1, value, h)]
+        elif kind == "full_attention":
+            q = (shape.heads or 0) * (shape.head_dim or 0)
+            kv = (shape.kv_heads or 0) * (shape.head_dim or 0)
+            out += [(3, h, 2 * q + 2 * kv), (1, q, h)]  # q carries the output gate (x 2)
+        if shape.moe:
+            inter = shape.moe.get("shared_intermediate") or 0
+            out += [(1, h, shape.moe.get("experts") or 0), (1, h, 1)]  # router, shared-expert gate
+            if inter:
+                out += [(2, h, 2 * inter), (1, inter, h)]
+        elif shape.intermediate:
+            out += [(2, h, 2 * shape.intermediate), (1, shape.intermediate, h)]
+    return out
+
+
+def lora_bytes(shape, eng: Engine) -> tuple[int, str]:
+    """Stacked LoRA A and B buffers, allocated at load (counted in the engine's "weights memory")."""
+    if not eng.lora:
+        return 0, "LoRA off"
+    per = sum(s * fin + fout for s, fin, fout in lora_linears(shape))
+    linear = eng.max_loras * eng.max_lora_rank * per * 2 // eng.tp
+    embed = eng.max_loras * (shape.vocab or 0) * eng.max_lora_rank * 2
+    return linear + embed, (
+        f"{eng.max_loras} LoRAs x rank {eng.max_lora_rank} x 2 B x (sum over {len(lora_linears(shape))} wrapped "
+        f"linears of slices x in + out = {per:,}) / TP {eng.tp} + embedding {eng.max_loras} x {shape.vocab:,} x rank"
+    )
+
+
+def activation_peak(shape, tensors: dict, eng: Engine, exl3: bool) -> tuple[int, str]:
+    """Torch peak of the profiling run: the larger of the forward pass over max_num_batched_tokens and the
+    sampler pass over max_num_seqs rows (which, for an EXL3 head, reconstructs the head in fp16)."""
+    h, vocab, inter = shape.hidden or 0, shape.vocab or 0, shape.intermediate or 0
+    if shape.moe:
+        inter = max(shape.moe.get("shared_intermediate") or 0, shape.moe.get("intermediate") or 0)
+    tokens, rows = eng.max_num_batched_tokens, eng.max_num_seqs
+    head_exl3 = exl3 and any(n.startswith("lm_head.") and n.endswith(".trellis") for n in tensors)
+    head = (vocab * h * 2 if head_exl3 else 0) // eng.tp + rows * vocab * 2 // eng.tp + tokens * h * 2
+    forward = tokens * 2 * (3 * inter // eng.tp + 4 * h)
+    largest = 0
+    if exl3:  # the largest single EXL3 tensor a > 32-row pass reconstructs (outside the head)
+        largest = max(
+            (
+                t["shape"][0] * t["shape"][1] * 256 * 2 // eng.tp
+                for n, t in tensors.items()
+                if n.endswith(".trellis") and not n.startswith("lm_head.") and len(t.get("shape", ())) == 3
+            ),
+            default=0,
+        )
+    forward += largest
+    sampler = rows * vocab * 4 * 2 // eng.tp
+    peak = max(head, forward, sampler)
+    which = {head: "sampler pass through the head", forward: "forward pass", sampler: "sampler (fp32 logits)"}[peak]
+    return peak, (
+        f"max(head pass {head / GIB:.2f} GiB = {'EXL3 head reconstructed vocab x hidden x 2 B + ' if head_exl3 else ''}"
+        f"{rows} rows x {vocab:,} x 2 B + {tokens} x {h} x 2 B; forward {forward / GIB:.2f} GiB = {tokens} tokens x "
+        f"2 B x (3 x {inter} + 4 x {h}){' + largest EXL3 reconstruct' if exl3 else ''}; sampler "
+        f"{sampler / GIB:.2f} GiB): {which}"
+    )
+
+
+def cudagraph_bytes(shape, eng: Engine) -> tuple[int, str]:
+    if eng.eager:
+        return 0, "--enforce-eager: no CUDA graphs"
+    piecewise, full = capture_sizes(eng)
+    copies = 2 if eng.lora else 1
+    n_p, n_f = copies * len(piecewise), copies * len(full)
+    layers, h = len(shape.layer_types), shape.hidden or 0
+    first_p = (piecewise[-1] * layers * h * 4 + PIECEWISE_PER_GRAPH) if piecewise else 0
+    per_full = FULL_PER_GRAPH_LORA if eng.lora else FULL_PER_GRAPH
+    first_f = (full[-1] * layers * h * 4 + per_full) if full else 0
+    total = max(first_p, first_f) + (n_p - 1) * PIECEWISE_PER_GRAPH + max(0, n_f - 1) * per_full
+    return total, (
+        f"first capture max({piecewise[-1] if piecewise else 0}, {full[-1] if full else 0} tokens) x {layers} layers x "
+        f"{h} x 4 B + {n_p - 1} piecewise x {PIECEWISE_PER_GRAPH // MIB} MiB + {max(0, n_f - 1)} FULL x "
+        f"{per_full // MIB} MiB (per-graph costs measured on the H200)"
+    )
+
+
+def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
+    """Every term per rank, the predicted available KV memory, and what the engine will report."""
+    layers = len(shape.layer_types)
+    vision = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
+    stored = sum(t["bytes"] for t in tensors.values()) - (vision if eng.language_model_only else 0)
+    lora, lora_formula = lora_bytes(shape, eng)
+    peak, peak_formula = activation_peak(shape, tensors, eng, exl3)
+    graphs, graphs_formula = cudagraph_bytes(shape, eng)
+    load = LOAD_OVERHEAD + LOAD_OVERHEAD_PER_LAYER * layers
+    requested = math.ceil(eng.gpu_gib * GIB * eng.utilization)
+    terms = {
+        "requested": term(requested, f"{eng.gpu_gib:g} GiB x {eng.utilization:g} (per GPU)", "code"),
+        "weights": term(stored // eng.tp, f"safetensors bytes {stored / GIB:.3f} GiB / TP {eng.tp}", "code"),
+        "lora_buffers": term(lora, lora_formula, "code"),
+        "load_overhead": term(
+            load, f"{LOAD_OVERHEAD // MIB} MiB + {LOAD_OVERHEAD_PER_LAYER // MIB} MiB x {layers} layers", "measured"
+        ),
+        "activation_peak": term(peak, peak_formula, "code, checked on one H200 start"),
+        "non_torch": term(
+            NON_TORCH,
+            "cuBLAS / Triton workspaces at TP 1 on an H200; NCCL buffers at TP > 1 come on top (not measured)",
+            "measured (GPU-dependent)",
+        ),
+        "cudagraphs": term(graphs, graphs_formula, "code structure, measured per-graph costs"),
+    }
+    if not eng.language_model_only and shape.vision:
+        # the encoder cache of the profiling run: the encoder budget of image tokens at the output width
+        budget = eng.max_num_batched_tokens
+        terms["vision_encoder"] = term(
+            budget * (shape.hidden or 0) * 2,
+            f"encoder cache {budget} tokens x {shape.hidden} x 2 B (ViT activations not modelled)",
+            "bound (not measured)",
+        )
+    non_kv = sum(t["bytes"] for k, t in terms.items() if k != "requested")
+    available = requested - non_kv
+    layout = kv_layout(shape, eng)
+    capacity = kv_capacity(layout, max(0, available), eng.max_model_len)
+    return {
+        "engine": {
+            "gpu_gib": eng.gpu_gib,
+            "tp": eng.tp,
+            "gpu_memory_utilization": eng.utilization,
+            "max_model_len": eng.max_model_len,
+            "max_num_seqs": eng.max_num_seqs,
+            "max_num_batched_tokens": eng.max_num_batched_tokens,
+            "kv_dtype": eng.kv_dtype,
+            "dtype": eng.dtype,
+            "enforce_eager": eng.eager,
+            "lora": eng.lora,
+            "max_loras": eng.max_loras,
+            "max_lora_rank": eng.max_lora_rank,
+            "defaults": eng.defaults_note,
+        },
+        "terms": terms,
+        "non_kv_bytes": non_kv,
+        "available_kv_bytes": available,
+        "available_kv_gib": round(available / GIB, 2),
+        "layout": layout,
+        "capacity": capacity,
+        "pin_kv_cache_memory": max(0, available - REDUNDANCY),
+    }
