@@ -36,7 +36,7 @@ FIG = {
     "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
     "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
     "block_size": r"Setting attention block size to (\d+) tokens",
-    "weights_gib": r"weights memory: ([\d.]+)GiB",
+    "weights_gib": r"(?:weights memory: |Model loading took )([\d.]+) ?GiB",
     "torch_peak_gib": r"torch peak memory increase: ([\d.]+)GiB",
     "non_torch_gib": r"non-torch forward increase memory: ([\d.]+)GiB",
     "cudagraph_gib": r"Estimated CUDA graph memory: ([\d.]+) GiB total",

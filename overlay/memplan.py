@@ -198,7 +198,10 @@ def activation_peak(shape, tensors: dict, eng: Engine, exl3: bool) -> tuple[int,
     tokens, rows = eng.max_num_batched_tokens, eng.max_num_seqs
     head_exl3 = exl3 and any(n.startswith("lm_head.") and n.endswith(".trellis") for n in tensors)
     head = (vocab * h * 2 if head_exl3 else 0) // eng.tp + rows * vocab * 2 // eng.tp + tokens * h * 2
-    forward = tokens * 2 * (3 * inter // eng.tp + 4 * h)
+    # MLP activations at max_num_batched_tokens: gate/up outputs, and for EXL3 also their fp16 concat and
+    # its cast back to the model dtype (apply runs one kernel per checkpoint tensor and joins them);
+    # a handful of hidden-width copies around it (residual, norm, x_had)
+    forward = tokens * 2 * ((4 if exl3 else 3) * inter // eng.tp + (6 if exl3 else 4) * h)
     largest = 0
     if exl3:  # the largest single EXL3 tensor a > 32-row pass reconstructs (outside the head)
         largest = max(
@@ -216,7 +219,8 @@ def activation_peak(shape, tensors: dict, eng: Engine, exl3: bool) -> tuple[int,
     return peak, (
         f"max(head pass {head / GIB:.2f} GiB = {'EXL3 head reconstructed vocab x hidden x 2 B + ' if head_exl3 else ''}"
         f"{rows} rows x {vocab:,} x 2 B + {tokens} x {h} x 2 B; forward {forward / GIB:.2f} GiB = {tokens} tokens x "
-        f"2 B x (3 x {inter} + 4 x {h}){' + largest EXL3 reconstruct' if exl3 else ''}; sampler "
+        f"2 B x ({4 if exl3 else 3} x {inter} + {6 if exl3 else 4} x {h}){' + largest EXL3 reconstruct' if exl3 else ''}"
+        f"; sampler "
         f"{sampler / GIB:.2f} GiB): {which}"
     )
 
