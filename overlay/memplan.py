@@ -219,8 +219,8 @@ def activation_peak(shape, tensors: dict, eng: Engine, exl3: bool) -> tuple[int,
     return peak, (
         f"max(head pass {head / GIB:.2f} GiB = {'EXL3 head reconstructed vocab x hidden x 2 B + ' if head_exl3 else ''}"
         f"{rows} rows x {vocab:,} x 2 B + {tokens} x {h} x 2 B; forward {forward / GIB:.2f} GiB = {tokens} tokens x "
-        f"2 B x ({4 if exl3 else 3} x {inter} + {6 if exl3 else 4} x {h}){' + largest EXL3 reconstruct' if exl3 else ''}"
-        f"; sampler "
+        f"2 B x ({4 if exl3 else 3} x {inter} + {6 if exl3 else 4} x {h})"
+        f"{' + largest EXL3 reconstruct' if exl3 else ''}; sampler "
         f"{sampler / GIB:.2f} GiB): {which}"
     )
 
