@@ -520,6 +520,45 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     return "bfloat16", f"config.json dtype {declared or 'not set'} (auto: bfloat16)"
 
 
+MOE_LORA_DOC = "docs/upstream/exl3-moe-lora-device.md"
+
+
+def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: str | None) -> None:
+    """EXL3 MoE + --enable-lora: every release 0.20.0-0.24.1 wraps the EXL3 MoE layers in FusedMoEWithLoRA,
+    which needs a modular kernel Exl3MoEMethod lacks, and fails at start-up (H200, 0.21.0, run 11) unless
+    the overlay's P5 leaves them unwrapped."""
+    if not (enable_lora and shape.moe and shape.quant.get("quant_method") == "exl3"):
+        return
+    if p5_status in ("APPLIED", "UPSTREAM_FIXED"):
+        report.add(
+            "OK",
+            "moe-lora",
+            "EXL3 MoE with --enable-lora: the routed experts take no LoRA (Exl3MoEMethod has no LoRA kernel) and "
+            "stay as they are; adapters on attention, GatedDeltaNet and shared-expert projections load; an adapter "
+            f"that also targets mlp.experts is refused at load with the modules named (P5 {p5_status}; {MOE_LORA_DOC})",
+        )
+        return
+    failure = (
+        '"ValueError: Exl3MoEMethod uses the new modular kernel initialization logic" (0.20/0.21) or '
+        '"RuntimeError: Old-style modular kernel not supported." (0.22-0.24.1)'
+    )
+    if p5_status in (None, "NOT_APPLICABLE"):
+        report.add(
+            "WARN",
+            "moe-lora",
+            f"EXL3 MoE with --enable-lora: aphrodite 0.20.0-0.24.1 stop at start-up with {failure}, whatever the "
+            f"adapters target, unless this overlay is installed in that environment (P5; {MOE_LORA_DOC})",
+        )
+        return
+    report.add(
+        "BLOCK",
+        "moe-lora",
+        f"EXL3 MoE with --enable-lora and the overlay's P5 not active ({p5_status}): the engine stops at start-up "
+        f"with {failure}. Let P5 run (unset HYBRID_EXL3_FIXES_DISABLE, allow the plugin) or serve without "
+        f"--enable-lora ({MOE_LORA_DOC})",
+    )
+
+
 def check_compiled_mode(
     report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto", p4_status: str | None = None
 ) -> None:
@@ -664,6 +703,7 @@ def diagnose(
         statuses = overlay_status(report)
         if config is not None:
             check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
+            check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
     report.plan = memory_plan(
         report,
         folder,

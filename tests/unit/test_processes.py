@@ -76,7 +76,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P4": "APPLIED",
             "P5": "APPLIED",
         }
-        assert "hybrid-exl3-fixes: applied=4 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
+        assert "hybrid-exl3-fixes: applied=5 upstream_fixed=0 drifted=0" in proc.stdout + proc.stderr
     else:
         assert out["results"]["P1"] == "UPSTREAM_FIXED" and out["results"]["P2"] == "APPLIED"  # its MoE branch
         assert out["results"]["P5"] == "APPLIED"  # EXL3 MoE + LoRA, in every release

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, needs_aphrodite
+from helpers import HAS_APHRODITE, ROOT, needs_aphrodite
 from hybrid_exl3_fixes.exl3 import codec
 from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
@@ -181,3 +181,32 @@ def test_doctor_checks_expert_codebooks_against_the_installed_kernel(
         assert "quantize the experts with exllamav3's --codebook mcg" in found.message
     assert report.plan["expert_weight_bytes"] > 0
     assert report.plan["active_expert_bytes_per_token"] == report.plan["expert_weight_bytes"] // 2  # 2 of 4
+
+
+@pytest.mark.parametrize(
+    "p5, expected",
+    [("APPLIED", "OK"), ("UPSTREAM_FIXED", "OK"), ("DISABLED", "BLOCK"), (None, "WARN"), ("NOT_APPLICABLE", "WARN")],
+)
+def test_doctor_on_exl3_moe_with_lora_follows_p5(moe, p5, expected):
+    """EXL3 MoE + --enable-lora stops at start-up on every release unless P5 runs (run 11, 0.21.0)."""
+    from hybrid_exl3_fixes import doctor
+
+    dest, _ = moe
+    report = doctor.Report(str(dest))
+    shape = doctor.parse_config(json.loads((dest / "exl3" / "config.json").read_text()))[0]
+    doctor.check_moe_lora(report, shape, True, p5)
+    found = {f.check: f for f in report.findings}["moe-lora"]
+    assert found.level == expected, found.message
+    if expected != "OK":
+        assert "new modular kernel initialization logic" in found.message
+    doctor.check_moe_lora(empty := doctor.Report(str(dest)), shape, False, p5)
+    assert not empty.findings  # without --enable-lora there is nothing to say
+
+
+def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
+    from hybrid_exl3_fixes import doctor
+
+    dest, _ = moe
+    report = doctor.diagnose(dest / "exl3", language_model_only=True, enable_lora=True)
+    level = {f.check: f.level for f in report.findings}["moe-lora"]
+    assert level == ("OK" if HAS_APHRODITE else "WARN")
