@@ -1,0 +1,162 @@
+"""Issue 18's table: Aphrodite (the server, with and without an adapter) against exllamav3's generator and
+the memory roofline, per preset and concurrency, from one run's results (ci/device-session-fulldepth.sh).
+
+    python3 bench/fulldepth_report.py RESULTS_DIR --out bench/results [--title "..."]
+
+Writes ``fulldepth.csv``, ``fulldepth.md`` and ``fulldepth_<preset>.png``. Ratios are taken within the
+run: Aphrodite / exllamav3 (decode throughput), Aphrodite / roofline (per-request speed at N = 1, decode
+throughput above), and the adapter's cost (1 - with / without, decode throughput). The goals of issue
+18 are reported, never asserted: at N = 1 at least exllamav3's speed and 50 % of the roofline; at N = 32
+at least 5x exllamav3's throughput; the adapter's cost under 10 % at N = 1 and N = 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def rows_by_n(path: Path) -> dict[int, dict]:
+    if not path.exists():
+        return {}
+    return {r["concurrency"]: r for r in json.loads(path.read_text()).get("rows", [])}
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def table(results: Path, preset: str) -> list[dict]:
+    import roofline
+
+    from hybrid_exl3_fixes.doctor import parse_config
+
+    base = rows_by_n(results / f"{preset}-aphrodite-base.json")
+    lora = rows_by_n(results / f"{preset}-aphrodite-lora.json")
+    exl = rows_by_n(results / f"{preset}-exllamav3.json")
+    bandwidth = json.loads((results / "bandwidth.json").read_text())["copy_bandwidth_gbps"]
+    inputs = json.loads((results / f"inputs-{preset}-exl3.json").read_text())
+    shape = parse_config(inputs["config.json"])[0]
+    prompt, output = 512, 256
+    if (results / f"{preset}-exllamav3.json").exists():
+        meta = json.loads((results / f"{preset}-exllamav3.json").read_text())
+        prompt, output = meta.get("prompt", prompt), meta.get("output", output)
+    levels = sorted(set(base) | set(lora) | set(exl))
+    roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, levels, prompt, output)}
+    out = []
+    for n in levels:
+        b, lo, e, r = base.get(n, {}), lora.get(n, {}), exl.get(n, {}), roof[n]
+        aph = b.get("decode_tok_s")
+        speed = b.get("per_request_tok_s")
+        out.append(
+            {
+                "preset": preset,
+                "concurrency": n,
+                "aphrodite_decode_tok_s": aph,
+                "aphrodite_per_request_tok_s": speed,
+                "aphrodite_ttft_s": b.get("ttft_mean_s"),
+                "aphrodite_lora_decode_tok_s": lo.get("decode_tok_s"),
+                "exllamav3_decode_tok_s": e.get("decode_tok_s"),
+                "exllamav3_per_request_tok_s": e.get("per_request_tok_s"),
+                "exllamav3_ttft_s": e.get("ttft_mean_s"),
+                "roofline_tok_s": r["roofline_tok_s"],
+                "aphrodite_over_exllamav3": ratio(aph, e.get("decode_tok_s")),
+                "aphrodite_over_roofline": ratio(speed if n == 1 else aph, r["roofline_tok_s"]),
+                "lora_cost": round(1 - lo["decode_tok_s"] / aph, 3) if aph and lo.get("decode_tok_s") else None,
+            }
+        )
+    return out
+
+
+def goals(rows: list[dict]) -> list[str]:
+    at = {r["concurrency"]: r for r in rows}
+    lines = []
+
+    def say(label, value, ok):
+        lines.append(f"- {label}: {'n/a' if value is None else value} ({'met' if ok else 'not met'})")
+
+    one, n32 = at.get(1, {}), at.get(32, {})
+    v = one.get("aphrodite_per_request_tok_s"), one.get("exllamav3_per_request_tok_s")
+    say("N = 1, Aphrodite / exllamav3 per-request speed >= 1", ratio(*v), bool(ratio(*v)) and ratio(*v) >= 1)
+    x = one.get("aphrodite_over_roofline")
+    say("N = 1, Aphrodite / roofline >= 0.5", x, bool(x) and x >= 0.5)
+    x = n32.get("aphrodite_over_exllamav3")
+    say("N = 32, Aphrodite / exllamav3 throughput >= 5", x, bool(x) and x >= 5)
+    for n in (1, 32):
+        x = at.get(n, {}).get("lora_cost")
+        say(f"N = {n}, adapter cost < 10 %", x, x is not None and x < 0.10)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    if not (args.results / "bandwidth.json").exists():
+        p.error(f"{args.results} holds no bandwidth.json (not a ci/device-session-fulldepth.sh result folder)")
+    presets = sorted(f.name[len("inputs-") : -len("-exl3.json")] for f in args.results.glob("inputs-*-exl3.json"))
+    all_rows, md = [], [f"# Full-depth serving (issue 18){': ' + args.title if args.title else ''}", ""]
+    for preset in presets:
+        rows = table(args.results, preset)
+        all_rows += rows
+        md += [
+            f"## {preset}",
+            "",
+            "| N | " + " | ".join(k for k in rows[0] if k not in ("preset", "concurrency")) + " |",
+        ]
+        md += ["|---|" + "---|" * (len(rows[0]) - 2)]
+        md += ["| " + " | ".join(str(v) for k, v in r.items() if k != "preset") + " |" for r in rows]
+        md += ["", "Goals (reported, not asserted):", *goals(rows), ""]
+        plot(rows, args.out / f"fulldepth_{preset}.png", f"{preset} {args.title}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if all_rows:
+        with open(args.out / "fulldepth.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(all_rows[0]))
+            w.writeheader()
+            w.writerows(all_rows)
+    (args.out / "fulldepth.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    n = [r["concurrency"] for r in rows]
+    for key, label in (
+        ("aphrodite_decode_tok_s", "Aphrodite (server)"),
+        ("aphrodite_lora_decode_tok_s", "Aphrodite + adapter"),
+        ("exllamav3_decode_tok_s", "exllamav3 generator"),
+        ("roofline_tok_s", "memory roofline"),
+    ):
+        ys = [r[key] for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(n, [y if y is not None else float("nan") for y in ys], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Issue 18: serving speed as users reach it: `aphrodite run` (default compiled mode) and the openai client.
+
+    python3 bench/serving_http.py MODEL_DIR --out FILE.json [--adapter PATH] [--concurrency 1,2,...,256]
+        [--prompt 512 --output 256] [--engine-args "..."] [--deadline SECONDS]
+
+Starts the real server (tests/gpu/server.py: the console script, the overlay found by aphrodite's
+plugin loader) with the engine's defaults plus ``--engine-args`` (and, with ``--adapter``,
+``--enable-lora --lora-modules bench=PATH``, every request then naming that adapter). At each
+concurrency N: N streaming completions at once, ``--prompt`` random token ids each (seeded), greedy,
+``--output`` tokens with ``ignore_eos``. Per N: wall time, throughput (N x output / wall), decode
+throughput (tokens after each request's first over the span from the first first-token to the last
+token), per-request decode speed (mean of (output - 1) / (last token - first token)) and time to first
+token (mean, max). A warm-up request runs first. Results are written after every level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def one(api, model: str, ids: list[int], output: int) -> dict:
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = await api.completions.create(
+        model=model,
+        prompt=ids,
+        max_tokens=output,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True, "min_tokens": output},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text is not None:
+            first = first or now
+            last = now
+            tokens += 1
+    return {"start": start, "first": first, "last": last, "chunks": tokens}
+
+
+async def level(url: str, model: str, ids: list[list[int]], output: int) -> dict:
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    try:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(api, model, p, output) for p in ids), return_exceptions=True)
+        wall = time.perf_counter() - t0
+    finally:
+        await api.close()
+    ok = [r for r in results if isinstance(r, dict) and r["first"] is not None]
+    failed = [repr(r)[:200] for r in results if not isinstance(r, dict)]
+    ttft = [r["first"] - r["start"] for r in ok]
+    decode = [(output - 1) / (r["last"] - r["first"]) for r in ok if r["last"] > r["first"]]
+    span = (max(r["last"] for r in ok) - min(r["first"] for r in ok)) if ok else 0
+    return {
+        "concurrency": len(ids),
+        "completed": len(ok),
+        "failed": len(failed),
+        "first_failure": failed[:1],
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(len(ok) * output / wall, 1) if wall else None,
+        "decode_tok_s": round(len(ok) * (output - 1) / span, 1) if span else None,
+        "per_request_tok_s": round(statistics.mean(decode), 1) if decode else None,
+        "ttft_mean_s": round(statistics.mean(ttft), 3) if ttft else None,
+        "ttft_max_s": round(max(ttft), 3) if ttft else None,
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--adapter", type=Path, help="a PEFT adapter folder: served as 'bench', every request uses it")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--engine-args", default="", help="extra `aphrodite run` arguments, one shell-quoted string")
+    p.add_argument("--port", type=int, default=8300)
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--deadline", type=float, default=1e9, help="start no level after this many seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not (args.model_dir / "config.json").is_file():
+        parser().error(f"{args.model_dir} has no config.json")
+    if args.adapter and not (args.adapter / "adapter_config.json").is_file():
+        parser().error(f"{args.adapter} has no adapter_config.json")
+    from server import Server
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    extra = shlex.split(args.engine_args)
+    model = "bench-base"
+    engine = ["--served-model-name", model, "--max-model-len", str(args.prompt + args.output + 64), *extra]
+    if args.adapter:
+        engine += ["--enable-lora", "--max-loras", "1", "--lora-modules", f"bench={args.adapter}"]
+        model = "bench"
+    vocab = json.loads((args.model_dir / "config.json").read_text()).get("text_config", {}).get("vocab_size", 32000)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    server = Server("bench", str(args.model_dir), engine, args.port, args.out.with_suffix(".log"))
+    t0 = time.monotonic()
+    server.start()
+    out = {"model": str(args.model_dir), "adapter": str(args.adapter or ""), "command": server.command}
+    try:
+        if not server.wait_ready(args.start_timeout):
+            out["error"] = server.root_error()[:800] or "did not start"
+            args.out.write_text(json.dumps(out, indent=2))
+            print(f"serving_http: the server did not start: {out['error']}", file=sys.stderr)
+            return 1
+        out.update(ready_s=server.ready_s, **server.startup_figures(), rows=[])
+        out["warmup"] = asyncio.run(level(server.url, model, prompts(1, args.prompt, vocab, seed=99), 16))
+        for n in levels:
+            if time.monotonic() - t0 > args.deadline:
+                out["stopped_before"] = n
+                break
+            out["rows"].append(asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab), args.output)))
+            args.out.write_text(json.dumps(out, indent=2))
+            print(json.dumps(out["rows"][-1]), flush=True)
+    finally:
+        server.stop()
+        args.out.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Issue 18's drivers on the CPU: bench/serving_http.py end to end against a stand-in `aphrodite` that streams
+completions over HTTP (fake input: the server; the client, the timing and the report are the real code),
+and bench/exllamav3_generator.py's argument handling (the generator itself needs the GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import exllamav3_generator  # noqa: E402
+import serving_http  # noqa: E402
+
+STREAMING_APHRODITE = textwrap.dedent('''\
+    #!{python}
+    """Stand-in for `aphrodite run MODEL --port P ...`: /health, and /v1/completions streaming max_tokens
+    one-character chunks, 2 ms apart, for the model names it was started with."""
+    import http.server, json, socketserver, sys, time
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    names = {args[args.index("--served-model-name") + 1]}
+    if "--lora-modules" in args:
+        names.add(args[args.index("--lora-modules") + 1].split("=")[0])
+    print("INFO 00:00:02 GPU KV cache size: 4,321 tokens", flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0"); self.end_headers()
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            if body["model"] not in names or not body.get("ignore_eos"):
+                self.send_response(404); self.send_header("content-length", "0"); self.end_headers(); return
+            self.send_response(200); self.send_header("content-type", "text/event-stream")
+            self.send_header("connection", "close"); self.end_headers()
+            for i in range(body["max_tokens"]):
+                time.sleep(0.002)
+                chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode()); self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\\n\\n"); self.wfile.flush()
+        def log_message(self, *a): pass
+    class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True
+    S(("127.0.0.1", port), H).serve_forever()
+    ''')
+
+
+@pytest.fixture
+def streaming_aphrodite(tmp_path, monkeypatch):
+    pytest.importorskip("openai")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "aphrodite"
+    script.write_text(STREAMING_APHRODITE.replace("{python}", sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 5000}}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    return model, adapter, tmp_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "adapter"])
+def test_serving_http_measures_every_level_through_the_server(streaming_aphrodite, with_adapter):
+    model, adapter, tmp = streaming_aphrodite
+    out = tmp / "r.json"
+    argv = [str(model), "--out", str(out), "--concurrency", "1,4", "--prompt", "8", "--output", "20"]
+    argv += ["--port", str(free_port()), "--start-timeout", "60"] + (
+        ["--adapter", str(adapter)] if with_adapter else []
+    )
+    assert serving_http.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [r["concurrency"] for r in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        assert row["completed"] == row["concurrency"] and row["failed"] == 0
+        assert 0 < row["ttft_mean_s"] <= row["ttft_max_s"] < row["wall_s"]
+        assert 100 < row["per_request_tok_s"] < 600  # 2 ms per token, plus HTTP
+    assert result["rows"][1]["throughput_tok_s"] > 2 * result["rows"][0]["throughput_tok_s"]
+    assert result["kv_cache_tokens"] == 4321 and ("--enable-lora" in result["command"]) == with_adapter
+
+
+def test_serving_http_refuses_a_folder_without_config(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serving_http.main([str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2 and "has no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_exllamav3_generator_refuses_a_folder_without_config(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        exllamav3_generator.main([str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2 and "has no config.json" in capsys.readouterr().err
+
+
+def test_both_drivers_send_the_same_prompts():
+    assert serving_http.prompts(3, 16, 5000) == exllamav3_generator.prompts(3, 16, 5000)
+    assert all(1000 <= t < 5000 for p in serving_http.prompts(3, 16, 5000) for t in p)
+
+
+def test_fulldepth_report_ratios_and_goals(tmp_path):
+    """Synthetic results (fake inputs) in the layout ci/device-session-fulldepth.sh writes; the 9B's real
+    header table from run 11 for the roofline."""
+    import fulldepth_report
+
+    res = tmp_path / "res"
+    res.mkdir()
+    inputs = ROOT / "docs" / "gpu-runs" / "2026-12-01-run11" / "cal" / "inputs-9b-exl3.json"
+    (res / "inputs-qwen3.5-9b-full-exl3.json").write_text(inputs.read_text())
+    (res / "bandwidth.json").write_text(json.dumps({"copy_bandwidth_gbps": 4000.0}))
+
+    def rows(scale):
+        return [
+            {"concurrency": n, "decode_tok_s": scale * 50 * n, "per_request_tok_s": scale * 50, "ttft_mean_s": 0.1}
+            for n in (1, 32)
+        ]
+
+    for name, scale in (("aphrodite-base", 1.2), ("aphrodite-lora", 1.14), ("exllamav3", 1.0)):
+        (res / f"qwen3.5-9b-full-{name}.json").write_text(
+            json.dumps({"prompt": 512, "output": 256, "rows": rows(scale)})
+        )
+    assert fulldepth_report.main([str(res), "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "fulldepth.md").read_text()
+    assert "N = 1, Aphrodite / exllamav3 per-request speed >= 1: 1.2 (met)" in table
+    assert "N = 32, Aphrodite / exllamav3 throughput >= 5: 1.2 (not met)" in table
+    assert "N = 1, adapter cost < 10 %: 0.05 (met)" in table
+    got = {r["concurrency"]: r for r in fulldepth_report.table(res, "qwen3.5-9b-full")}
+    assert got[1]["aphrodite_over_roofline"] == round(60 / got[1]["roofline_tok_s"], 3)
+
+
+def test_fulldepth_report_refuses_a_folder_that_is_not_a_result(tmp_path, capsys):
+    import fulldepth_report
+
+    with pytest.raises(SystemExit) as exit_info:
+        fulldepth_report.main([str(tmp_path)])
+    assert exit_info.value.code == 2 and "bandwidth.json" in capsys.readouterr().err
