@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import sys
 import tarfile
 from pathlib import Path
@@ -31,25 +30,18 @@ RUNS = ROOT / "docs" / "gpu-runs"
 GIB = 1 << 30
 sys.path.insert(0, str(ROOT / "bench"))
 
-FIG = {
-    "available_kv_gib": r"Available KV cache memory: ([\d.]+) GiB",
-    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
-    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
-    "block_size": r"Setting attention block size to (\d+) tokens",
-    "weights_gib": r"(?:weights memory: |Model loading took )([\d.]+) ?GiB",
-    "torch_peak_gib": r"torch peak memory increase: ([\d.]+)GiB",
-    "non_torch_gib": r"non-torch forward increase memory: ([\d.]+)GiB",
-    "cudagraph_gib": r"Estimated CUDA graph memory: ([\d.]+) GiB total",
-}
-
 
 def logged(text: str) -> dict:
-    out = {}
-    for key, pattern in FIG.items():
-        m = re.search(pattern, text)
-        if m:
-            out[key] = float(m.group(1).replace(",", ""))
-    return out
+    """The engine's figures (memory_calibration.figures), with the block size under its short name and the
+    weights from "Model loading took" where the log has no DEBUG profiling split (run 10's INFO logs)."""
+    from memory_calibration import figures
+
+    found = figures(text)
+    if "attention_block_size" in found:
+        found["block_size"] = found["attention_block_size"]
+    if "weights_gib" not in found and "model_loading_gib" in found:
+        found["weights_gib"] = found["model_loading_gib"]
+    return found
 
 
 def tar_member(tgz: Path, name: str) -> str:

@@ -115,3 +115,27 @@ def exl3_linear_layer(exl3, method, prefix: str, shards: dict, device: str = "cp
         for name, tensor in tensors.items():
             exl3._exl3_weight_loader(getattr(layer, name), tensor.to(device), shard_id)
     return layer
+
+
+def install_fake_aphrodite(tmp_path: Path, monkeypatch, script: str) -> Path:
+    """An executable ``aphrodite`` stand-in (``script``, a Python program whose first line is
+    ``#!{python}``) first on PATH, where tests/gpu/server.py's Server finds the console script; returns
+    tmp_path. The stand-in is a fake input: the code under test starts and talks to it as to the real one."""
+    import stat
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    path = bindir / "aphrodite"
+    path.write_text(script.replace("{python}", sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def free_port() -> int:
+    """A port no other process holds (ci/test.sh runs the suite in several lanes at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

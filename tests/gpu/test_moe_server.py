@@ -3,7 +3,7 @@
 The checkpoint is make-tiny's ``tiny-moe`` preset (Qwen3_5MoeForConditionalGeneration: GDN and
 attention layers, 4 routed experts of which 2 are active, a shared expert; every projection EXL3,
 experts in mcg, the codebook Aphrodite's MoE kernel takes; bfloat16 config, as exllamav3 writes
-it). Servers run in the default compiled mode (one eager cell as an extra), reached over HTTP with
+it). Servers run in the default compiled mode and, as twins, in eager mode, reached over HTTP with
 the openai client; logprobs are compared with HF transformers + PEFT on the dense twin
 (Qwen3_5MoeForConditionalGeneration with transformers' fused experts).
 
@@ -25,12 +25,23 @@ import os
 from pathlib import Path
 
 import pytest
-from test_server import MAX_MODEL_LEN, TOLERANCE, check, client, complete, gather_completions, prompts, worst
+from test_server import (
+    TOLERANCE,
+    check,
+    client,
+    complete,
+    gather_completions,
+    lora_args,
+    prompts,
+    ready,
+    shared_args,
+    start_fleet,
+    worst,
+)
 
 from harness import Reference
-from server import Server
 
-START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))
+START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))  # as test_server.py's
 BASE_PORT = 8200
 SERVED = "tiny-moe"
 ADAPTERS = ("lora-a", "lora-b")
@@ -74,24 +85,7 @@ MAIN = "moe-eager-bf16-lora"  # the runtime-adapter test's server (see the eager
 
 def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
     lora, adapters, extra, env, _ = CELLS[cell]
-    args = [
-        "--served-model-name",
-        SERVED,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--seed",
-        "0",
-        "--gpu-memory-utilization",
-        "0.03",
-        "--kv-cache-memory-bytes",
-        str(2 << 30),
-        "--gdn-prefill-backend",
-        "triton",
-        "--language-model-only",
-    ]
-    if lora:
-        args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"]
-        args += ["--lora-modules", *(f"{name}={folder / name}" for name in adapters)]
+    args = shared_args(SERVED) + (lora_args(folder, adapters) if lora else [])
     return str(folder / "exl3"), args + extra, env
 
 
@@ -107,15 +101,7 @@ def moe(workdir):
 
 @pytest.fixture(scope="session")
 def moe_fleet(moe, workdir):
-    only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
-    servers = {}
-    for i, cell in enumerate(CELLS):
-        if only and cell not in only:
-            continue
-        model, args, env = server_args(cell, moe)
-        env = {"APHRODITE_CACHE_ROOT": str(workdir / "aphrodite-cache" / cell), **env}
-        servers[cell] = Server(cell, model, args, BASE_PORT + i, workdir / f"server-{cell}.log", env)
-        servers[cell].start()
+    servers = start_fleet(list(CELLS), lambda cell: server_args(cell, moe), BASE_PORT, workdir)
     yield servers
     for server in servers.values():
         server.stop()
@@ -124,15 +110,6 @@ def moe_fleet(moe, workdir):
 @pytest.fixture(scope="session")
 def moe_reference(moe):
     return Reference(moe, ADAPTERS)
-
-
-def ready(fleet, cell) -> Server:
-    if cell not in fleet:
-        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
-    server = fleet[cell]
-    if not server.wait_ready(START_TIMEOUT):
-        raise AssertionError(f"{cell} did not start: {server.root_error() or 'no error line'}\n{server.text()[-3000:]}")
-    return server
 
 
 def model_of(adapter: str | None) -> str:

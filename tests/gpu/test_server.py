@@ -109,12 +109,11 @@ def gpus() -> int:
         return 0
 
 
-def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]:
-    dtype, eager, lora, extra, env, _ = CELLS[cell]
-    folder = tiny[dtype]
-    args = [
+def shared_args(served: str) -> list[str]:
+    """What every suite server is started with (the module docstring says why each differs from the default)."""
+    return [
         "--served-model-name",
-        SERVED,
+        served,
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--seed",
@@ -127,21 +126,36 @@ def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]
         "triton",
         "--language-model-only",
     ]
-    if eager:
-        args.append("--enforce-eager")
-    if lora:
-        args += [
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-            "--max-loras",
-            "2",
-            "--max-cpu-loras",
-            "4",
-            "--lora-modules",
-            *(f"{name}={folder / name}" for name in ADAPTERS),
-        ]
+
+
+def lora_args(folder: Path, adapters) -> list[str]:
+    return ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"] + [
+        "--lora-modules",
+        *(f"{name}={folder / name}" for name in adapters),
+    ]
+
+
+def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]:
+    dtype, eager, lora, extra, env, _ = CELLS[cell]
+    folder = tiny[dtype]
+    args = shared_args(SERVED) + (["--enforce-eager"] if eager else []) + (lora_args(folder, ADAPTERS) if lora else [])
     return str(folder / "exl3"), args + extra, env
+
+
+def start_fleet(cells, build, base_port: int, workdir: Path) -> dict[str, Server]:
+    """One server per cell (``build(cell)`` -> model, args, env), all started at once; HXF_SERVER_CELLS
+    narrows them. Each has a compile cache of its own: servers that start together must not write one
+    cache entry at once."""
+    only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
+    servers = {}
+    for i, cell in enumerate(cells):
+        if only and cell not in only:
+            continue
+        model, args, env = build(cell)
+        env = {"APHRODITE_CACHE_ROOT": str(workdir / "aphrodite-cache" / cell), **env}
+        servers[cell] = Server(cell, model, args, base_port + i, workdir / f"server-{cell}.log", env)
+        servers[cell].start()
+    return servers
 
 
 @pytest.fixture(scope="session")
@@ -161,17 +175,9 @@ def tiny(workdir):
 
 @pytest.fixture(scope="session")
 def fleet(tiny, workdir):
-    """Every cell's server, started at once (they share the GPU and the compile caches)."""
-    only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
-    servers = {}
-    for i, cell in enumerate(CELLS):
-        if (only and cell not in only) or cell_tp(cell) > gpus():
-            continue
-        model, args, env = server_args(cell, tiny)
-        # a compile cache of its own: servers that start together must not write one cache entry at once
-        env = {"APHRODITE_CACHE_ROOT": str(workdir / "aphrodite-cache" / cell), **env}
-        servers[cell] = Server(cell, model, args, BASE_PORT + i, workdir / f"server-{cell}.log", env)
-        servers[cell].start()
+    """Every cell's server, started at once (they share the GPU)."""
+    cells = [c for c in CELLS if cell_tp(c) <= gpus()]
+    servers = start_fleet(cells, lambda cell: server_args(cell, tiny), BASE_PORT, workdir)
     yield servers
     for server in servers.values():
         server.stop()

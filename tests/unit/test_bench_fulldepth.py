@@ -5,15 +5,12 @@ and bench/exllamav3_generator.py's argument handling (the generator itself needs
 from __future__ import annotations
 
 import json
-import os
-import socket
-import stat
 import sys
 import textwrap
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, free_port, install_fake_aphrodite
 
 sys.path.insert(0, str(ROOT / "bench"))
 import exllamav3_generator  # noqa: E402
@@ -57,12 +54,7 @@ STREAMING_APHRODITE = textwrap.dedent('''\
 @pytest.fixture
 def streaming_aphrodite(tmp_path, monkeypatch):
     pytest.importorskip("openai")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    script = bindir / "aphrodite"
-    script.write_text(STREAMING_APHRODITE.replace("{python}", sys.executable))
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    install_fake_aphrodite(tmp_path, monkeypatch, STREAMING_APHRODITE)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 5000}}))
@@ -70,12 +62,6 @@ def streaming_aphrodite(tmp_path, monkeypatch):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     return model, adapter, tmp_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "adapter"])

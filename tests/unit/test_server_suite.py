@@ -4,15 +4,13 @@ stand-in `aphrodite` command. The suite itself needs the GPU (tests/gpu/test_ser
 
 from __future__ import annotations
 
-import os
-import stat
 import sys
 import textwrap
 
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, free_port, install_fake_aphrodite
 
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import compare_served, served_chat_logprobs, served_completion, token_id  # noqa: E402
@@ -125,22 +123,7 @@ FAKE_APHRODITE = textwrap.dedent('''\
 @pytest.fixture
 def fake_aphrodite(tmp_path, monkeypatch):
     pytest.importorskip("httpx")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    script = bindir / "aphrodite"
-    script.write_text(FAKE_APHRODITE.replace("{python}", sys.executable))
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    return tmp_path
-
-
-def free_port() -> int:
-    """A port no other process holds (ci/test.sh runs this file in several lanes at once)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return install_fake_aphrodite(tmp_path, monkeypatch, FAKE_APHRODITE)
 
 
 def test_server_start_ready_figures_and_stop(fake_aphrodite):
