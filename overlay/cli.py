@@ -42,6 +42,24 @@ def fraction(text: str) -> float:
     return value
 
 
+def mm_limits(text: str) -> dict[str, int]:
+    """argparse type for --limit-mm-per-prompt: aphrodite's JSON object of modality -> count, e.g.
+    '{"image": 0, "video": 0}' (all zero: the engine runs text-only)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f'{text!r} is not a JSON object of modality -> count, e.g. \'{{"image": 0, "video": 0}}\''
+        )
+    return value
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -238,7 +256,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         kv_dtype=args.kv_dtype,
         utilization=args.gpu_memory_utilization,
-        language_model_only=args.language_model_only,
+        language_model_only=args.language_model_only
+        or (args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())),
         enable_lora=args.enable_lora,
         dtype=args.dtype,
     )
@@ -327,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens", type=positive_int, help="default: the engine's (8192 on >= 70 GiB, else 2048)"
     )
     doctor.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (their memory leaves the plan)")
+    doctor.add_argument(
+        "--limit-mm-per-prompt",
+        type=mm_limits,
+        help='the engine\'s JSON, e.g. \'{"image": 0, "video": 0}\' (all zero: text only, as --language-model-only)',
+    )
     doctor.add_argument("--max-loras", type=positive_int, default=1, help="with --enable-lora (engine default 1)")
     doctor.add_argument("--max-lora-rank", type=positive_int, default=16, help="with --enable-lora (engine default 16)")
     doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])

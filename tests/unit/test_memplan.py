@@ -71,3 +71,22 @@ def test_doctor_json_carries_every_term(tmp_path, capsys):
     assert plan["terms"]["lora_buffers"]["bytes"] > 0 and plan["terms"]["cudagraphs"]["bytes"] == 0
     assert plan["engine"]["max_num_batched_tokens"] == 4096 and plan["engine"]["enforce_eager"] is True
     assert plan["pin_kv_cache_memory"] == plan["kv_pool_bytes"] - 150 * (1 << 20)
+
+
+def test_limit_mm_per_prompt_zero_is_text_only_and_bad_json_is_a_usage_error(tmp_path, capsys):
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--gpu-mem", "24"]
+
+    def terms(*extra):
+        main([*base, *extra])
+        return json.loads(capsys.readouterr().out)["plan"]["terms"]
+
+    assert "vision_encoder" in terms()
+    assert terms("--limit-mm-per-prompt", '{"image": 0, "video": 0}') == terms("--language-model-only")
+    assert "vision_encoder" in terms("--limit-mm-per-prompt", '{"image": 1}')
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--limit-mm-per-prompt", "[1]"])
+    assert exit_info.value.code == 2 and "not a JSON object of modality -> count" in capsys.readouterr().err
