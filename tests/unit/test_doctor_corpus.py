@@ -353,6 +353,10 @@ def test_bad_flags_are_usage_errors_not_tracebacks(good, capsys):
         ["--max-model-len", "x"],
         ["--kv-dtype", "int4"],
         ["--dtype", "int8"],
+        ["--max-num-batched-tokens", "0"],
+        ["--max-loras", "-2"],
+        ["--max-lora-rank", "big"],
+        ["--limit-mm-per-prompt", '{"image": -1}'],
     ):
         with pytest.raises(SystemExit) as exit_:
             main(["doctor", str(good), *flags])
