@@ -143,3 +143,10 @@ def test_adapter_file_modules_reads_peft_names(moe_ckpt):
     assert expert_modules(names) == []
     assert len(expert_modules(adapter_file_modules(moe_ckpt / "lora-experts"))) == 4 * 4 * 3
     assert adapter_file_modules(moe_ckpt / "no-such-folder") == []
+
+
+def test_an_unreadable_adapter_file_is_left_to_aphrodites_loader(tmp_path):
+    from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import adapter_file_modules
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    assert adapter_file_modules(tmp_path) == []

@@ -128,8 +128,11 @@ def adapter_file_modules(lora_path: str) -> list[str]:
         return []
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
-        keys = list(f.keys())
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+    except Exception:  # noqa: BLE001 - an unreadable file is aphrodite's loader's to report, in its own words
+        return []
     return [k.removeprefix("base_model.model.").split(".lora_", 1)[0] for k in keys]
 
 
