@@ -20,23 +20,21 @@ pinned 2 GiB KV cache so the servers can start at once, --gdn-prefill-backend tr
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
 import pytest
 from test_server import (
     TOLERANCE,
+    alone_and_mixed,
     check,
     client,
     complete,
-    gather_completions,
     lora_args,
     prompts,
     ready,
     shared_args,
     start_fleet,
-    worst,
 )
 
 from harness import Reference
@@ -112,10 +110,6 @@ def moe_reference(moe):
     return Reference(moe, ADAPTERS)
 
 
-def model_of(adapter: str | None) -> str:
-    return adapter or SERVED
-
-
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_moe_cell(cell, moe_fleet, moe_reference, record):
     """Start and serve (base and each adapter alone, 16 mixed at once, against HF + PEFT), or the
@@ -157,26 +151,9 @@ def test_moe_cell(cell, moe_fleet, moe_reference, record):
     assert models == {SERVED, *adapters}, models
     if lora:
         info["lora_layers_left_unwrapped"] = server.text().count("could not be wrapped by any LoRA layer")
-    served = [None, *adapters]
-    rows = {}
-    for adapter in served:
-        got = [check(moe_reference, adapter, complete(server, model_of(adapter), ids)) for ids in prompts(3, 1)]
-        rows[adapter] = got
-        info[f"alone {adapter or 'base'}"] = worst(got)
-        record(f"moe {cell}", **info)
-    jobs = [(model_of(served[i % len(served)]), ids) for i, ids in enumerate(prompts(16, 2))]
-    results = asyncio.run(gather_completions(server, jobs, 8, True))
-    failed = [repr(r) for r in results if isinstance(r, Exception)]
-    mixed = [
-        check(moe_reference, served[i % len(served)], r) for i, r in enumerate(results) if not isinstance(r, Exception)
-    ]
-    info["16 mixed"] = {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed)}
-    info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
-    info["tolerance"] = TOLERANCE
-    if lora:
-        base = check(moe_reference, None, complete(server, "lora-a", prompts(1, 1)[0]))
-        info["lora-a vs base reference"] = round(base["max_abs_dlogprob"], 4)
-    record(f"moe {cell}", **info)
+    failed = alone_and_mixed(
+        server, moe_reference, [None, *adapters], SERVED, info, lambda: record(f"moe {cell}", **info)
+    )
     assert not failed, failed[:3]
     assert info["max_abs_dlogprob"] < TOLERANCE, info
     if lora:

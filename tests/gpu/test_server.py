@@ -286,6 +286,37 @@ def chat(server: Server, adapter: str | None, messages: list[dict], max_tokens: 
     return resp if stream else resp.model_dump()
 
 
+def alone_and_mixed(server: Server, reference, adapters: list, served: str, info: dict, save) -> list[str]:
+    """Each model (None: the base) alone on three prompts, then 16 requests mixing them at once, against
+    ``reference``; fills ``info`` (``save()`` after each step, so a failure later keeps what was measured)
+    with the worst |delta| per step, the overall max, and how far the first adapter is from the base
+    model's reference. Returns the requests that failed."""
+    name = {None: served}
+    rows = {}
+    for adapter in adapters:
+        rows[adapter] = [
+            check(reference, adapter, complete(server, name.get(adapter, adapter), ids)) for ids in prompts(3, 1)
+        ]
+        info[f"alone {adapter or 'base'}"] = worst(rows[adapter])
+        save()
+    mix = [adapters[i % len(adapters)] for i in range(16)]
+    jobs = [(name.get(a, a), ids) for a, ids in zip(mix, prompts(16, 2))]
+    results = asyncio.run(gather_completions(server, jobs, 8, True))
+    failed = [repr(r) for r in results if isinstance(r, Exception)]
+    mixed = [check(reference, a, r) for a, r in zip(mix, results) if not isinstance(r, Exception)]
+    info["16 mixed"] = (
+        {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
+    )
+    info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
+    info["tolerance"] = TOLERANCE
+    first = next((a for a in adapters if a is not None), None)
+    if first:  # each adapter must differ from the base model by much more than the tolerance
+        base = check(reference, None, complete(server, first, prompts(1, 1)[0]))
+        info[f"{first} vs base reference"] = round(base["max_abs_dlogprob"], 4)
+    save()
+    return failed
+
+
 # -- every cell -------------------------------------------------------------------------------
 
 
@@ -332,29 +363,8 @@ def test_cell(cell, fleet, references, record):
     adapters = [None, *ADAPTERS] if lora else [None]
     record(f"server {cell}", models=sorted(models))
     assert models == {SERVED, *(ADAPTERS if lora else ())}, models
-    rows = {}
-    for adapter in adapters:
-        rows[adapter] = [check(reference, adapter, complete(server, model_of(adapter), ids)) for ids in prompts(3, 1)]
-        info[f"alone {adapter or 'base'}"] = worst(rows[adapter])
-        record(f"server {cell}", **info)
-    jobs = [(model_of(adapters[i % len(adapters)]), ids) for i, ids in enumerate(prompts(16, 2))]
-    results = asyncio.run(gather_completions(server, jobs, 8, True))
-    failed = [repr(r) for r in results if isinstance(r, Exception)]
-    mixed = [
-        check(reference, adapters[i % len(adapters)], r) for i, r in enumerate(results) if not isinstance(r, Exception)
-    ]
+    failed = alone_and_mixed(server, reference, adapters, SERVED, info, lambda: record(f"server {cell}", **info))
     tolerance = TOLERANCE
-    info["16 mixed"] = (
-        {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
-    )
-    info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
-    info["tolerance"] = tolerance
-    if lora:  # each adapter must differ from the base model by much more than the tolerance
-        base_ref = [
-            check(reference, None, complete(server, "lora-a", ids, prompt_logprobs=True)) for ids in prompts(1, 1)
-        ]
-        info["lora-a vs base reference"] = round(base_ref[0]["max_abs_dlogprob"], 4)
-    record(f"server {cell}", **info)
     assert not failed, failed[:3]
     assert info["max_abs_dlogprob"] < tolerance, info
     if lora:
