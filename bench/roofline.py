@@ -37,7 +37,7 @@ def step_bytes(shape, tensors: dict, n: int, context: int, kv_dtype: str = "auto
         distinct = e * (1 - (1 - k / e) ** n)  # expected distinct experts per layer for n tokens routed k each
         expert_bytes = experts * distinct / e
     vocab = shape.vocab or 1
-    kv_tok, _ = kv_bytes_per_token(shape, kv_dtype, dtype)
+    kv_tok, _ = kv_bytes_per_token(shape, kv_dtype)
     recurrent, conv, _ = state_bytes_per_sequence(shape, dtype)
     parts = {
         "weights": rest + expert_bytes + embed * min(n, vocab) / vocab,

@@ -273,8 +273,7 @@ def read_weights(report: Report, folder: Path) -> dict[str, dict]:
     return tensors
 
 
-def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> tuple[int, str]:
-    del dtype  # bfloat16 and float16 KV are both 2 B
+def kv_bytes_per_token(shape: Shape, kv_dtype: str) -> tuple[int, str]:
     full = shape.full_layers
     heads, dim = shape.kv_heads or 0, shape.head_dim or 0
     width = 1 if kv_dtype.startswith("fp8") else 2
@@ -282,25 +281,20 @@ def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> 
 
 
 def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int, int, str]:
-    """The GDN state of one sequence. aphrodite 0.21 keeps it in the activations' dtype unless the config's
-    ``mamba_ssm_dtype`` names the recurrent state's (models/config.py; an H200 start-up's block size and
-    padding confirmed 2 B for a bfloat16 config without it, docs/gpu-results.md "memory plan")."""
+    """The GDN state of one sequence, over every linear-attention layer (memplan.gdn_state_bytes per layer)."""
     linear = shape.linear_layers
     if not linear or shape.gdn is None:
         return 0, 0, "no linear-attention layers"
     g = shape.gdn
-    vh, kd, vd, kh, kernel = g["value_heads"], g["key_dim"], g["value_dim"], g["key_heads"], g["kernel"]
-    width = 2 if dtype in ("bfloat16", "float16") else 4
-    ssm = {"float32": 4, "bfloat16": 2, "float16": 2}.get(shape.ssm_dtype or "", width)
-    recurrent = linear * vh * kd * vd * ssm
-    conv = linear * (2 * kh * kd + vh * vd) * (kernel - 1) * width
+    recurrent, conv, ssm, width = memplan.gdn_state_bytes(shape, dtype)
     source = "mamba_ssm_dtype" if shape.ssm_dtype else dtype
     return (
-        recurrent,
-        conv,
+        linear * recurrent,
+        linear * conv,
         (
-            f"{linear} linear layers x ({vh} value heads x {kd} x {vd} x {ssm} B recurrent ({source}) "
-            f"+ {2 * kh * kd + vh * vd} conv channels x {kernel - 1} x {width} B)"
+            f"{linear} linear layers x ({g['value_heads']} value heads x {g['key_dim']} x {g['value_dim']} x {ssm} B "
+            f"recurrent ({source}) + {2 * g['key_heads'] * g['key_dim'] + g['value_heads'] * g['value_dim']} conv "
+            f"channels x {g['kernel'] - 1} x {width} B)"
         ),
     )
 
@@ -736,7 +730,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
             report.add("WARN", "memory", "no memory plan: config.json lacks the fields above")
         return {}
-    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype, eng.dtype)
+    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype)
     recurrent, conv, state_formula = state_bytes_per_sequence(shape, eng.dtype)
     per_seq_state = recurrent + conv
     weights = sum(t["bytes"] for t in tensors.values())

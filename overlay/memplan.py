@@ -93,20 +93,27 @@ def capture_sizes(eng: Engine) -> tuple[list[int], list[int]]:
     return sizes, [s for s in sizes if s <= eng.max_num_seqs]
 
 
+def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]:
+    """One GDN layer's state per sequence and rank: (recurrent bytes, conv bytes, recurrent and conv bytes per
+    value). aphrodite 0.21 keeps both in the activations' dtype unless the config's ``mamba_ssm_dtype`` names the
+    recurrent state's (models/config.py; run 11's block size and padding confirmed 2 B for a bfloat16 config)."""
+    if not (shape.linear_layers and shape.gdn):
+        return 0, 0, 0, 0
+    g = shape.gdn
+    width = DTYPE_BYTES.get(dtype, 2)
+    ssm = DTYPE_BYTES.get(shape.ssm_dtype or "", width)
+    conv_dim = (2 * g["key_heads"] * g["key_dim"] + g["value_heads"] * g["value_dim"]) // tp
+    recurrent = g["value_heads"] // tp * g["value_dim"] * g["key_dim"] * ssm
+    return recurrent, conv_dim * (g["kernel"] - 1) * width, ssm, width
+
+
 def kv_layout(shape, eng: Engine) -> dict:
     """Page sizes, block size and groups of the hybrid KV cache (per rank)."""
     kv_bytes = DTYPE_BYTES.get(eng.kv_dtype, 2) if eng.kv_dtype != "auto" else DTYPE_BYTES[eng.dtype]
-    state_bytes = DTYPE_BYTES[eng.dtype]
-    ssm_bytes = DTYPE_BYTES.get(shape.ssm_dtype or "", state_bytes)
     kv_heads = max(1, (shape.kv_heads or 0) // eng.tp) if shape.full_layers else 0
     per_token = 2 * kv_heads * (shape.head_dim or 0) * kv_bytes
-    state = 0
-    if shape.linear_layers and shape.gdn:
-        g = shape.gdn
-        conv_dim = (2 * g["key_heads"] * g["key_dim"] + g["value_heads"] * g["value_dim"]) // eng.tp
-        state = conv_dim * (g["kernel"] - 1) * state_bytes + (
-            g["value_heads"] // eng.tp * g["value_dim"] * g["key_dim"] * ssm_bytes
-        )
+    recurrent, conv, ssm_bytes, _ = gdn_state_bytes(shape, eng.dtype, eng.tp)
+    state = recurrent + conv
     block = 16
     if state and per_token:
         block = max(16, 16 * math.ceil(state / (16 * per_token)))
