@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-from server import Server  # noqa: E402
+from server import STARTUP_FIGURES, Server  # noqa: E402
 
 GIB = 1 << 30
 CONSUMER_BATCH = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"]
@@ -78,10 +78,9 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
 
 HELD_OUT = ("27b-24g", "27b-24g-lora")
 
+# the server suite's start-up figures (KV memory, tokens, concurrency, compile times), and the profiling split
 FIGURES = {
-    "available_kv_gib": r"Available KV cache memory: ([\d.]+) GiB",
-    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
-    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
+    **{key: pattern.pattern for key, pattern in STARTUP_FIGURES.items()},
     "non_kv_gib": r"Total non KV cache memory: ([\d.]+)GiB",
     "torch_peak_gib": r"torch peak memory increase: ([\d.]+)GiB",
     "non_torch_gib": r"non-torch forward increase memory: ([\d.]+)GiB",
