@@ -8,8 +8,8 @@ At each concurrency N, N jobs of ``--prompt`` random token ids (seeded; the same
 first jobs) and ``--output`` new tokens each, greedy (ArgmaxSampler), no stop conditions (ignore EOS),
 are enqueued at once into one Generator (max_batch_size = the largest N, a cache of N x (prompt +
 output) tokens and N recurrent slots), and iterated to the end. Per N: wall time, decode throughput
-(N x output / (wall - the slowest time to first token)), per-request speed (output / (time_generate -
-time_prefill), mean over the jobs) and time to first token (exllamav3's own ``time_prefill``, mean and
+(N x output / (wall - the slowest time to first token)), per-request speed ((output - 1) / time_generate,
+mean over the jobs) and time to first token (exllamav3's own ``time_prefill``, mean and
 max). One warm-up job runs first. Results are written after every N (resumable by --concurrency).
 """
 
@@ -46,11 +46,9 @@ def run_level(generator, Job, sampler, ids: list[list[int]], output: int, torch)
                 new_tokens += r.get("new_tokens", 0)
     wall = time.perf_counter() - start
     ttft = [r["time_enqueued"] + r["time_prefill"] for r in done.values()]
-    per_request = [
-        r["new_tokens"] / (r["time_generate"] - r["time_prefill"])
-        for r in done.values()
-        if r.get("time_generate", 0) > r.get("time_prefill", 0)
-    ]
+    # exllamav3's job times are durations (generator/job.py: time_prefill = first token - first
+    # prefill, time_generate = last token - first token), as serving_http.py's per-request figure
+    per_request = [(r["new_tokens"] - 1) / r["time_generate"] for r in done.values() if r.get("time_generate", 0) > 0]
     decode_wall = wall - max(ttft) if ttft else wall
     return {
         "concurrency": len(ids),
