@@ -68,6 +68,9 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
         "9b-24g-mnbt8192": ("9b/exl3", None, [*emulate(24), *TEXT, "--max-num-batched-tokens", "8192"]),
         "9b-24g-eager": ("9b/exl3", None, [*emulate(24), *TEXT, "--enforce-eager"]),
         "9b-24g-vision": ("9b/exl3", None, emulate(24)),
+        # two axes in one start where the device time is short: no compile, no graphs, and an fp8 KV pool
+        "9b-24g-eager-fp8kv": ("9b/exl3", None, [*emulate(24), *TEXT, "--enforce-eager", "--kv-cache-dtype", "fp8"]),
+        "35b-a3b-32g-eager": ("35b/exl3", None, [*emulate(32), *TEXT, "--enforce-eager"]),
         # held out: the user's model at full depth on a 24 GB card
         "27b-24g": ("27b/exl3", None, [*emulate(24), *TEXT]),
         "35b-a3b-32g-lora": ("35b/exl3", "35b/lora-a", [*emulate(32), *TEXT, *LORA]),

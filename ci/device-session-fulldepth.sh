@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 18 on one H200 (after ../shared/device/stage.sh and its install call, with .cache/wheels and
-# .cache/exllamav3-ext carried for ci/exllamav3-env.sh), run detached by ci/device-bg.sh. Resumable: a
+# Issue 18 on one H200 (after ../shared/device/stage.sh and its install call, with exllamav3's wheel and
+# extension in .cache/ for ci/exllamav3-env.sh: carried, or built by ci/device-session-issues.sh), run detached by ci/device-bg.sh. Resumable: a
 # finished piece is skipped. Results under /tmp/hxf-out/fulldepth (bundle: fulldepth-results.tgz).
 #   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only)
 #   HXF_FD_SECONDS                                   no new piece after this many seconds (default 1500)
@@ -18,18 +18,20 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   m="$MODELS/$preset"
   [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$preset"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
-  for kind in base lora; do
-    r="$OUT/$preset-aphrodite-$kind.json"; [ -e "$r" ] && grep -q '"rows"' "$r" && continue
+  # base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
+  for kind in base exllamav3 lora; do
+    r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
+    [ -e "$r" ] && grep -q '"rows"' "$r" && continue
     [ "$(left)" -gt 120 ] || break 2
+    if [ "$kind" = exllamav3 ]; then
+      ( source ci/exllamav3-env.sh && python3 bench/exllamav3_generator.py "$m/exl3" --out "$r" --deadline "$(left)" ) \
+        > "$OUT/$preset-exllamav3.log" 2>&1
+      continue
+    fi
     adapter=(); [ "$kind" = lora ] && adapter=(--adapter "$m/lora-a")
     python3 bench/serving_http.py "$m/exl3" --out "$r" "${adapter[@]}" --deadline "$(left)" \
       --engine-args "--gdn-prefill-backend triton --language-model-only"
   done
-  r="$OUT/$preset-exllamav3.json"
-  if [ ! -e "$r" ] && [ "$(left)" -gt 120 ]; then
-    ( source ci/exllamav3-env.sh && python3 bench/exllamav3_generator.py "$m/exl3" --out "$r" --deadline "$(left)" ) \
-      > "$OUT/$preset-exllamav3.log" 2>&1
-  fi
 done
 tar czf /tmp/hxf-out/fulldepth-results.tgz -C "$OUT" .
 echo "== $(date -u +%FT%TZ) done"

@@ -50,6 +50,15 @@ REFUSED = "targets the routed experts of EXL3 MoE layers"
 CELLS = {
     "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
     "moe-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
+    # the same, capturing piecewise graphs only (the default on 0.21.0 is FULL_AND_PIECEWISE): tells which
+    # capture run 11's compiled servers stopped in
+    "moe-compiled-piecewise-bf16-nolora": (
+        False,
+        (),
+        ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'],
+        {},
+        "serve",
+    ),
     # eager twins: run 11's compiled MoE servers never finished starting (docs/upstream/
     # exl3-moe-compiled-graph-capture.md); the LoRA loader's behaviour does not depend on the mode
     "moe-eager-bf16-nolora": (False, (), ["--enforce-eager"], {}, "serve"),
@@ -121,7 +130,7 @@ def test_moe_cell(cell, moe_fleet, moe_reference, record):
     up = server.wait_ready(START_TIMEOUT)
     info = {
         "checkpoint": "bfloat16 (tiny-moe)",
-        "mode": "eager" if "--enforce-eager" in extra else "compiled",
+        "mode": "eager" if "--enforce-eager" in extra else " ".join(["compiled", *extra]),
         "lora": lora,
         "adapters": list(adapters),
         "env": " ".join(f"{k}={v}" for k, v in env.items()),

@@ -114,8 +114,15 @@ class _Generator:
     def iterate(self):
         done, self.queue = self.queue, []
         return [
-            {"stage": "streaming", "eos": True, "identifier": job.identifier, "new_tokens": job.max_new_tokens,
-             "time_enqueued": 0.5, "time_prefill": 0.25, "time_generate": 3.0}
+            {
+                "stage": "streaming",
+                "eos": True,
+                "identifier": job.identifier,
+                "new_tokens": job.max_new_tokens,
+                "time_enqueued": 0.5,
+                "time_prefill": 0.25,
+                "time_generate": 3.0,
+            }
             for job in done
         ]
 

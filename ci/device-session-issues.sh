@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issues 17, 18 and 19 in one H200 device session (after ../shared/device/stage.sh's calls and its install
+# call, with .cache/wheels/exllamav3-1.6.5-py3-none-any.whl carried), run detached by ci/device-bg.sh so
+# it may outlast one device call. Each stage is resumable; results under /tmp/hxf-out/{moe,fulldepth,cal}.
+#   0. in the background, CPU only: exllamav3's extension (ci/exllamav3-build.py; the gzipped module is
+#      left in /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) unless it was carried, and the
+#      checkpoints of stages 2 and 3 (make-tiny's full-depth presets)
+#   1. moe: the MoE server suite (tests/gpu/test_moe_server.py, cells HXF_SERVER_CELLS), with py-spy
+#      dumps of every compiled MoE server that has not started after 240, 330 and 420 s (moe/pyspy.txt)
+#   2. fulldepth: ci/device-session-fulldepth.sh, once the extension build has ended (it would take
+#      the benchmark's CPU)
+#   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left
+#   HXF_STAGES="moe fulldepth cal"  HXF_SESSION_SECONDS (default 1560): no stage starts after it
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SITE="${HXF_SITE:-/tmp/devsite}" ROOT=/tmp/hxf-out
+BUDGET="${HXF_SESSION_SECONDS:-1560}"
+mkdir -p "$ROOT/moe" "$ROOT/cal" /tmp/hxf-cal/models /tmp/hxf-fd/models
+export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
+left() { echo $((BUDGET - SECONDS)); }
+stamp() { echo "== $(date -u +%FT%TZ) [${SECONDS} s] $*"; }
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+stamp "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"; df -h /tmp | tail -1
+
+EXT=.cache/exllamav3-ext/exllamav3_ext.so.gz WHEEL=.cache/wheels/exllamav3-1.6.5-py3-none-any.whl
+build=""
+if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
+  (
+    export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/exl3-ext
+    nice -n 19 python3 ci/exllamav3-build.py "$WHEEL" || exit 1
+    so=$(find /tmp/exl3-ext -name 'exllamav3_ext*.so' | head -1)
+    mkdir -p "$(dirname "$EXT")" && gzip -c "$so" > "$EXT" && cp "$EXT" "$ROOT/"
+  ) > "$ROOT/exl3-build.log" 2>&1 &
+  build=$!
+fi
+(
+  mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
+  mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
+  ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
+  mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
+  mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
+  mk /tmp/hxf-cal/models/35b --preset qwen3.6-35b-a3b-full --bits 2
+  du -shL /tmp/hxf-cal/models/*; df -h /tmp | tail -1
+) 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|/s\]$" > "$ROOT/checkpoints.log" &
+writer=$!
+
+watch_moe() {  # what a compiled MoE server that has not started is doing (run 11: stopped silently)
+  local t
+  for t in 240 330 420; do
+    sleep $((t - (SECONDS - moe_t0))) 2>/dev/null
+    for pid in $(pgrep python3); do
+      log=$(readlink "/proc/$pid/fd/1" 2>/dev/null) || continue
+      case "$log" in *server-moe-compiled*) ;; *) continue ;; esac
+      grep -q "Application startup complete" "$log" 2>/dev/null && continue
+      echo "== t=${t}s pid $pid ($(basename "$log")): $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-120)"
+      echo "-- last line: $(tail -1 "$log" | cut -c1-200)"
+      timeout 30 py-spy dump --native --pid "$pid" 2>&1 | head -120
+    done
+  done
+}
+
+for stage in ${HXF_STAGES:-moe fulldepth cal}; do
+  [ "$(left)" -gt 240 ] || { stamp "no time left for $stage"; continue; }
+  case "$stage" in
+    moe)
+      stamp "moe: $HXF_SERVER_CELLS"
+      moe_t0=$SECONDS
+      watch_moe > "$ROOT/moe/pyspy.txt" 2>&1 &
+      watcher=$!
+      OUT="$ROOT/moe" HXF_SITE="" HXF_PYTEST_TIMEOUT="${HXF_SUITE_SECONDS:-600}" bash ci/gpu.sh tests/gpu/test_moe_server.py \
+        > "$ROOT/moe/suite.log" 2>&1
+      stamp "moe: exit $?"
+      kill "$watcher" 2>/dev/null
+      tail -25 "$ROOT/moe/suite.log"
+      ;;
+    fulldepth)
+      [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
+      wait "$writer" 2>/dev/null; cat "$ROOT/checkpoints.log"
+      stamp "fulldepth"
+      HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh
+      ;;
+    cal)
+      wait "$writer" 2>/dev/null
+      stamp "memory calibration ${HXF_CAL_ONLY:-all}"
+      python3 bench/memory_calibration.py /tmp/hxf-cal/models --out "$ROOT/cal" --deadline "$(($(left) - 30))" \
+        ${HXF_CAL_ONLY:+--only "$HXF_CAL_ONLY"}
+      stamp "memory calibration exit $?"
+      ;;
+  esac
+done
+tar czf "$ROOT/cal-results.tgz" --exclude='*.safetensors' --exclude='calibration-cache' -C "$ROOT/cal" . 2>/dev/null
+stamp done
