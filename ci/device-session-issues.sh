@@ -2,13 +2,15 @@
 # Issues 17, 18 and 19 in one H200 device session (after ../shared/device/stage.sh's calls and its install
 # call, with .cache/wheels/exllamav3-1.6.5-py3-none-any.whl carried), run detached by ci/device-bg.sh so
 # it may outlast one device call. Each stage is resumable; results under /tmp/hxf-out/{moe,fulldepth,cal}.
-#   0. in the background, CPU only: exllamav3's extension (ci/exllamav3-build.py; the gzipped module is
-#      left in /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) unless it was carried, and the
-#      checkpoints of stages 2 and 3 (make-tiny's full-depth presets)
+#   0. in the background: the checkpoints of stages 2 and 3 (make-tiny's full-depth presets, on the GPU; the
+#      35B-A3B, CPU-heavy, only if HXF_CAL_ONLY names it, after stage 1), and exllamav3's extension
+#      (ci/exllamav3-build.py, 16 min of CPU beside other work in run 12; the gzipped module is left in
+#      /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) only if it was not carried
 #   1. moe: the MoE server suite (tests/gpu/test_moe_server.py, cells HXF_SERVER_CELLS), with py-spy
-#      dumps of every compiled MoE server that has not started after 240, 330 and 420 s (moe/pyspy.txt)
-#   2. fulldepth: ci/device-session-fulldepth.sh, once the extension build has ended (it would take
-#      the benchmark's CPU)
+#      dumps of every process of a MoE server that has not started, or has started and not answered,
+#      at 240, 330 and 420 s (moe/pyspy.txt)
+#   2. fulldepth: ci/device-session-fulldepth.sh once its checkpoint is written and any extension build
+#      has ended (it would take the benchmark's CPU)
 #   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left
 #   HXF_STAGES="moe fulldepth cal"  HXF_SESSION_SECONDS (default 1560): no stage starts after it
 set -uo pipefail
@@ -33,25 +35,26 @@ if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
   ) > "$ROOT/exl3-build.log" 2>&1 &
   build=$!
 fi
+mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
 (
-  mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
   mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
   ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
   mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
   mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
-  mk /tmp/hxf-cal/models/35b --preset qwen3.6-35b-a3b-full --bits 2
-  du -shL /tmp/hxf-cal/models/*; df -h /tmp | tail -1
-) 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|/s\]$" > "$ROOT/checkpoints.log" &
+) 2>&1 | tr '\r' '\n' | grep -v "/s\]$" > "$ROOT/checkpoints.log" &
 writer=$!
+# py-spy (its wheel is carried in .whl/; pip --target does not add a script to an existing bin/)
+[ -x "$SITE/bin/py-spy" ] || unzip -p .whl/py_spy-*.whl 'py_spy-*.data/scripts/py-spy' > "$SITE/bin/py-spy" 2>/dev/null
+chmod +x "$SITE/bin/py-spy" 2>/dev/null
 
-watch_moe() {  # what a compiled MoE server that has not started is doing (run 11: stopped silently)
-  local t
+watch_moe() {  # what a MoE server that has not started or not answered is doing (runs 11, 12: silent)
+  local t pid log
   for t in 240 330 420; do
     sleep $((t - (SECONDS - moe_t0))) 2>/dev/null
-    for pid in $(pgrep python3); do
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do  # every process: the engine core renames itself
       log=$(readlink "/proc/$pid/fd/1" 2>/dev/null) || continue
-      case "$log" in *server-moe-compiled*) ;; *) continue ;; esac
-      grep -q "Application startup complete" "$log" 2>/dev/null && continue
+      case "$log" in *server-moe-*) ;; *) continue ;; esac
+      grep -q '"POST /v1/completions' "$log" 2>/dev/null && continue  # it has answered a request
       echo "== t=${t}s pid $pid ($(basename "$log")): $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-120)"
       echo "-- last line: $(tail -1 "$log" | cut -c1-200)"
       timeout 30 py-spy dump --native --pid "$pid" 2>&1 | head -120
@@ -75,12 +78,13 @@ for stage in ${HXF_STAGES:-moe fulldepth cal}; do
       ;;
     fulldepth)
       [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
-      wait "$writer" 2>/dev/null; cat "$ROOT/checkpoints.log"
+      wait "$writer" 2>/dev/null; cat "$ROOT/checkpoints.log"  # the 35B is written by stage cal, not here
       stamp "fulldepth"
       HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh
       ;;
     cal)
       wait "$writer" 2>/dev/null
+      case ",${HXF_CAL_ONLY:-35b}," in *,35b*) mk /tmp/hxf-cal/models/35b --preset qwen3.6-35b-a3b-full --bits 2 2>&1 | tail -1 ;; esac
       stamp "memory calibration ${HXF_CAL_ONLY:-all}"
       python3 bench/memory_calibration.py /tmp/hxf-cal/models --out "$ROOT/cal" --deadline "$(($(left) - 30))" \
         ${HXF_CAL_ONLY:+--only "$HXF_CAL_ONLY"}

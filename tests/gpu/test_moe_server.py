@@ -48,6 +48,18 @@ REFUSED = "targets the routed experts of EXL3 MoE layers"
 # name: LoRA?, adapters given at start-up, extra args, extra env, what the cell must do (serve, refuse,
 # or the text of the upstream error it must stop with; any one of the alternatives)
 CELLS = {
+    # eager twins first (the cells are tested in this order while all start at once): run 11's and run 12's
+    # compiled MoE servers did not finish starting (docs/upstream/exl3-moe-compiled-graph-capture.md); the
+    # LoRA loader's behaviour does not depend on the mode
+    "moe-eager-bf16-nolora": (False, (), ["--enforce-eager"], {}, "serve"),
+    "moe-eager-bf16-lora": (
+        True,
+        ADAPTERS,
+        ["--enforce-eager"],
+        {"APHRODITE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+        "serve",
+    ),
+    "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
     "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
     "moe-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
     # the same, capturing piecewise graphs only (the default on 0.21.0 is FULL_AND_PIECEWISE): tells which
@@ -59,17 +71,6 @@ CELLS = {
         {},
         "serve",
     ),
-    # eager twins: run 11's compiled MoE servers never finished starting (docs/upstream/
-    # exl3-moe-compiled-graph-capture.md); the LoRA loader's behaviour does not depend on the mode
-    "moe-eager-bf16-nolora": (False, (), ["--enforce-eager"], {}, "serve"),
-    "moe-eager-bf16-lora": (
-        True,
-        ADAPTERS,
-        ["--enforce-eager"],
-        {"APHRODITE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
-        "serve",
-    ),
-    "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
     # without the overlay's fixes, in the order the failures appear at start-up
     "moe-lora-unpatched": (True, ADAPTERS, [], {"HYBRID_EXL3_FIXES_DISABLE": "1"}, ("Missing EXL3 tensors",)),
     "moe-lora-noP2-noP5": (
