@@ -9,8 +9,9 @@ first jobs) and ``--output`` new tokens each, greedy (ArgmaxSampler), no stop co
 are enqueued at once into one Generator (max_batch_size = the largest N, a cache of N x (prompt +
 output) tokens and N recurrent slots), and iterated to the end. Per N: wall time, decode throughput
 (N x output / (wall - the slowest time to first token)), per-request speed ((output - 1) / time_generate,
-mean over the jobs) and time to first token (exllamav3's own ``time_prefill``, mean and
-max). One warm-up job runs first. Results are written after every N (resumable by --concurrency).
+mean over the jobs) and time to first token (queue wait plus exllamav3's own ``time_prefill``, mean and
+max). exllamav3's ``Model.warmup`` runs after loading, as its model_init.py does, then one warm-up job.
+Results are written after every N (resumable by --concurrency).
 """
 
 from __future__ import annotations
@@ -87,11 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     load_start = time.perf_counter()
     model.load(device="cuda:0")
     load_s = time.perf_counter() - load_start
+    # exllamav3's own first-use costs (Triton compilation and autotuning, the GEMM autotuner per row
+    # count up to 64, the graph-captured decode workspaces), paid before a generator is attached, as
+    # its model_init.py does for every model it loads (run 12 had no warm-up: its N = 2 level was slower
+    # than N = 1, the autotuner's cost inside the measurement)
+    warm_start = time.perf_counter()
+    warm_failed = model.warmup(cache=cache, max_batch_size=min(top, 8))
+    warmup_s = time.perf_counter() - warm_start
     tokenizer = Tokenizer.from_config(config)
     generator = Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=top)
     sampler = ArgmaxSampler()
     vocab = json.loads((args.model_dir / "config.json").read_text()).get("text_config", {}).get("vocab_size", 32000)
     out = {"model": str(args.model_dir), "prompt": args.prompt, "output": args.output, "load_s": round(load_s, 1)}
+    out.update(warmup_s=round(warmup_s, 1), warmup_failed=list(warm_failed or []))
     out["warmup"] = run_level(generator, Job, sampler, prompts(1, args.prompt, vocab, seed=99), 16, torch)
     out["rows"] = []
     for n in levels:
