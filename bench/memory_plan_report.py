@@ -68,64 +68,65 @@ def tiny_config(preset: str, **overrides) -> dict:
     return hf_config(TinySpec.preset(preset, **overrides) if preset != "tiny" else TinySpec(**overrides))
 
 
+def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
+    """A configuration whose engine profiled: its log, what doctor read of its model (a run's inputs-*.json)."""
+    saved = json.loads(inputs.read_text())
+    return dict(
+        kind="pool",
+        name=name,
+        source=str(log.relative_to(RUNS)).replace("2026-12-01-", ""),
+        config=saved["config.json"],
+        tensors=saved["tensors"],
+        engine=engine,
+        text=log.read_text(errors="replace"),
+    )
+
+
 def rows() -> list[dict]:
     """(kind, name, source, config, tensors, engine arguments, logged text)."""
     from hybrid_exl3_fixes.memplan import Engine
 
     run10, run11 = RUNS / "2026-12-01-run10", RUNS / "2026-12-01-run11"
-    out = []
-    inputs = json.loads((run11 / "cal" / "inputs-9b-exl3.json").read_text())
-    for name, lora in (("9b-24g", False), ("9b-24g-lora", True)):
-        out.append(
-            dict(
-                kind="pool",
-                name=f"{name} (aphrodite run, compiled, 24 GB card emulated)",
-                source=f"run11/cal/{name}.log",
-                config=inputs["config.json"],
-                tensors=inputs["tensors"],
-                engine=Engine(24, max_model_len=32768, language_model_only=True, lora=lora, max_loras=4),
-                text=(run11 / "cal" / f"{name}.log").read_text(errors="replace"),
-            )
+    out = [
+        pool_row(
+            f"{name} (aphrodite run, compiled, 24 GB card emulated)",
+            run11 / "cal" / f"{name}.log",
+            run11 / "cal" / "inputs-9b-exl3.json",
+            Engine(24, max_model_len=32768, language_model_only=True, lora=lora, max_loras=4),
         )
+        for name, lora in (("9b-24g", False), ("9b-24g-lora", True))
+    ]
     # the benchmark's offline engines (bench/serving.py: LLM(..., gpu_memory_utilization=0.85)), INFO logs;
     # their checkpoint's header table was read with doctor.read_weights from make-tiny's qwen3.6-27b preset
-    saved = json.loads((run10 / "bench" / "inputs-27b4-exl3.json").read_text())
-    for name, lora in (("exl3", False), ("exl3+lora", True)):
-        out.append(
-            dict(
-                kind="pool",
-                name=f"27B-width 4 layers, {name} (offline LLM, compiled, H200, util 0.85)",
-                source=f"run10/bench/engine-{name}.log",
-                config=saved["config.json"],
-                tensors=saved["tensors"],
-                engine=Engine(
-                    139.8,
-                    utilization=0.85,
-                    max_model_len=16384,
-                    max_num_seqs=128,
-                    max_num_batched_tokens=16384,
-                    language_model_only=True,
-                    lora=lora,
-                    max_loras=4,
-                    max_lora_rank=8,
-                ),
-                text=(run10 / "bench" / f"engine-{name}.log").read_text(errors="replace"),
-            )
+    out += [
+        pool_row(
+            f"27B-width 4 layers, {name} (offline LLM, compiled, H200, util 0.85)",
+            run10 / "bench" / f"engine-{name}.log",
+            run10 / "bench" / "inputs-27b4-exl3.json",
+            Engine(
+                139.8,
+                utilization=0.85,
+                max_model_len=16384,
+                max_num_seqs=128,
+                max_num_batched_tokens=16384,
+                language_model_only=True,
+                lora=lora,
+                max_loras=4,
+                max_lora_rank=8,
+            ),
         )
+        for name, lora in (("exl3", False), ("exl3+lora", True))
+    ]
     # the full-depth benchmark's server (bench/serving_http.py, run 12): the user's 27B shape at 64 layers on
     # the H200 with the engine's defaults there (utilization 0.9, --max-num-batched-tokens 8192, 1,024
     # sequences), INFO log; no constant of overlay/memplan.py was taken from it
     run12 = RUNS / "2026-12-01-run12" / "fulldepth"
-    inputs27 = json.loads((run12 / "inputs-qwen3.6-27b-full-exl3.json").read_text())
     out.append(
-        dict(
-            kind="pool",
-            name="27B full depth, EXL3 3 bits (aphrodite run, compiled, H200 defaults, held out)",
-            source="run12/fulldepth/qwen3.6-27b-full-aphrodite-base.log",
-            config=inputs27["config.json"],
-            tensors=inputs27["tensors"],
-            engine=Engine(139.8, max_model_len=832, language_model_only=True),
-            text=(run12 / "qwen3.6-27b-full-aphrodite-base.log").read_text(errors="replace"),
+        pool_row(
+            "27B full depth, EXL3 3 bits (aphrodite run, compiled, H200 defaults, held out)",
+            run12 / "qwen3.6-27b-full-aphrodite-base.log",
+            run12 / "inputs-qwen3.6-27b-full-exl3.json",
+            Engine(139.8, max_model_len=832, language_model_only=True),
         )
     )
     pinned = [
