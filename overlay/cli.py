@@ -313,9 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "tiny-moe", "qwen3.6-27b", "qwen3.6-27b-full", "qwen3.5-9b-full", "qwen3.6-35b-a3b-full"],
+        choices=[
+            "tiny",
+            "tiny-moe",
+            "qwen3.6-35b-a3b",
+            "qwen3.6-27b",
+            "qwen3.6-27b-full",
+            "qwen3.5-9b-full",
+            "qwen3.6-35b-a3b-full",
+        ],
         help="tiny (default); tiny-moe: the tiny shape with routed experts and a shared expert (and an adapter "
-        "over the experts too); qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks; *-full: "
+        "over the experts too); qwen3.6-35b-a3b: the same at the 35B-A3B layer dimensions, 4 layers, 32 of its "
+        "256 experts; qwen3.6-27b: the 27B layer dimensions with 4 layers, for benchmarks; *-full: "
         "the published models' full depth and widths, streamed on the GPU layer by layer, no dense twin",
     )
     tiny.set_defaults(func=cmd_make_tiny)

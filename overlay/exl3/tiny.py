@@ -96,6 +96,26 @@ PRESETS: dict[str, dict] = {
         shared_intermediate=256,
         adapters=("lora-a", "lora-b", "lora-experts"),
     ),
+    # the Qwen3.6-35B-A3B layer dimensions (hidden 2048; 16 / 2 heads of 256; GDN 16 key / 32 value heads of
+    # 128; experts 512 wide, 8 active, a shared expert of 512) with 4 layers and 32 routed experts instead of
+    # 256, so that the dense twin stays small; its small-batch threshold (experts // active) is 4, which
+    # sends 1, 2-4 and more rows down each of Exl3MoEMethod's three paths
+    "qwen3.6-35b-a3b": dict(
+        hidden=2048,
+        vocab=32768,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        gdn_key_heads=16,
+        gdn_value_heads=32,
+        gdn_head_dim=128,
+        max_position=32768,
+        experts=32,
+        experts_per_tok=8,
+        moe_intermediate=512,
+        shared_intermediate=512,
+        adapters=("lora-a", "lora-b", "lora-experts"),
+    ),
     "qwen3.6-27b": dict(
         hidden=5120,
         intermediate=17408,
@@ -153,7 +173,9 @@ class TinySpec:
         intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
         4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width.
         ``tiny-moe``: the tiny shape with a MoE MLP (4 routed experts, 2 active, and a shared expert),
-        and a third adapter, ``lora-experts``, that also targets the routed experts."""
+        and a third adapter, ``lora-experts``, that also targets the routed experts. ``qwen3.6-35b-a3b``:
+        the Qwen3.6-35B-A3B layer dimensions with 4 layers and 32 of its 256 experts (8 active), the
+        same three adapters."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})

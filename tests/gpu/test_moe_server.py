@@ -12,7 +12,9 @@ both in the default compiled mode and in eager mode (run 11's compiled MoE serve
 starting: docs/upstream/exl3-moe-compiled-graph-capture.md); ``lora-experts`` (which also targets the
 routed experts) given at start-up, which must be refused with the modules named; and the failure
 sequence without the overlay, one cell per step (every patch off; P2 and P5 off; P5 off), each
-recording the engine's own error. The runtime-adapter test uses the eager LoRA server.
+recording the engine's own error. ``moe35-*`` cells serve the same kind of model at the Qwen3.6-35B-A3B
+layer dimensions (make-tiny ``qwen3.6-35b-a3b``: 4 layers, 32 of its 256 experts, 8 active), against HF +
+PEFT on its own dense twin. The runtime-adapter test uses the eager LoRA server.
 Shared deviations from the defaults as in test_server.py (--gpu-memory-utilization 0.03 with a
 pinned 2 GiB KV cache so the servers can start at once, --gdn-prefill-backend triton,
 --language-model-only).
@@ -71,6 +73,13 @@ CELLS = {
         {},
         "serve",
     ),
+    # the same model at the Qwen3.6-35B-A3B layer dimensions (make-tiny qwen3.6-35b-a3b: hidden 2048, 32 experts
+    # of 512, 8 active): whether what the tiny model does in runs 11-12 belongs to MoE serving or to its tiny
+    # dimensions (256 wide, the MoE kernel's small-batch threshold 2)
+    "moe35-eager-bf16-nolora": (False, (), ["--enforce-eager"], {}, "serve"),
+    "moe35-eager-bf16-lora": (True, ADAPTERS, ["--enforce-eager"], {}, "serve"),
+    "moe35-compiled-bf16-nolora": (False, (), [], {}, "serve"),
+    "moe35-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
     # without the overlay's fixes, in the order the failures appear at start-up
     "moe-lora-unpatched": (True, ADAPTERS, [], {"HYBRID_EXL3_FIXES_DISABLE": "1"}, ("Missing EXL3 tensors",)),
     "moe-lora-noP2-noP5": (
@@ -89,6 +98,12 @@ CELLS = {
     ),
 }
 MAIN = "moe-eager-bf16-lora"  # the runtime-adapter test's server (see the eager twins above)
+# each cell's checkpoint: make-tiny preset and folder under the work directory
+CHECKPOINTS = {"moe": ("tiny-moe", "server-moe"), "moe35": ("qwen3.6-35b-a3b", "server-moe35")}
+
+
+def checkpoint_of(cell: str) -> str:
+    return cell.split("-", 1)[0]
 
 
 def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
@@ -98,30 +113,55 @@ def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
 
 
 @pytest.fixture(scope="session")
-def moe(workdir):
+def moe_models(workdir):
+    """checkpoint name -> its folder, written on first use (the 35B-A3B-width one on the GPU)."""
     from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
-    dest = workdir / "server-moe"
-    if not (dest / "manifest.json").exists():
-        write_tiny(dest, TinySpec.preset("tiny-moe"))
-    return dest
+    def folder(name: str) -> Path:
+        preset, sub = CHECKPOINTS[name]
+        dest = workdir / sub
+        if not (dest / "manifest.json").exists():
+            write_tiny(dest, TinySpec.preset(preset), device="cuda" if name != "moe" else None)
+        return dest
+
+    return folder
 
 
 @pytest.fixture(scope="session")
-def moe_fleet(moe, workdir):
-    servers = start_fleet(list(CELLS), lambda cell: server_args(cell, moe), BASE_PORT, workdir)
+def moe(moe_models):
+    return moe_models("moe")
+
+
+@pytest.fixture(scope="session")
+def moe_fleet(moe_models, workdir):
+    servers = start_fleet(
+        list(CELLS), lambda cell: server_args(cell, moe_models(checkpoint_of(cell))), BASE_PORT, workdir
+    )
     yield servers
     for server in servers.values():
         server.stop()
 
 
 @pytest.fixture(scope="session")
-def moe_reference(moe):
-    return Reference(moe, ADAPTERS)
+def references(moe_models):
+    """checkpoint name -> HF + PEFT on its dense twin, built on first use."""
+    built = {}
+
+    def reference(name: str) -> Reference:
+        if name not in built:
+            built[name] = Reference(moe_models(name), ADAPTERS)
+        return built[name]
+
+    return reference
+
+
+@pytest.fixture(scope="session")
+def moe_reference(references):
+    return references("moe")
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
-def test_moe_cell(cell, moe_fleet, moe_reference, record):
+def test_moe_cell(cell, moe_fleet, references, record):
     """Start and serve (base and each adapter alone, 16 mixed at once, against HF + PEFT), or the
     refusal / upstream error the cell must stop with, recorded with the engine's own words."""
     lora, adapters, extra, env, expect = CELLS[cell]
@@ -130,7 +170,7 @@ def test_moe_cell(cell, moe_fleet, moe_reference, record):
     server = moe_fleet[cell]
     up = server.wait_ready(START_TIMEOUT)
     info = {
-        "checkpoint": "bfloat16 (tiny-moe)",
+        "checkpoint": f"bfloat16 ({CHECKPOINTS[checkpoint_of(cell)][0]})",
         "mode": "eager" if "--enforce-eager" in extra else " ".join(["compiled", *extra]),
         "lora": lora,
         "adapters": list(adapters),
@@ -162,7 +202,7 @@ def test_moe_cell(cell, moe_fleet, moe_reference, record):
     if lora:
         info["lora_layers_left_unwrapped"] = server.text().count("could not be wrapped by any LoRA layer")
     failed = alone_and_mixed(
-        server, moe_reference, [None, *adapters], SERVED, info, lambda: record(f"moe {cell}", **info)
+        server, references(checkpoint_of(cell)), [None, *adapters], SERVED, info, lambda: record(f"moe {cell}", **info)
     )
     assert not failed, failed[:3]
     assert info["max_abs_dlogprob"] < TOLERANCE, info
