@@ -2,8 +2,8 @@
 # Issues 17, 18 and 19 in one H200 device session (after ../shared/device/stage.sh's calls and its install
 # call, with .cache/wheels/exllamav3-1.6.5-py3-none-any.whl carried), run detached by ci/device-bg.sh so
 # it may outlast one device call. Each stage is resumable; results under /tmp/hxf-out/{moe,fulldepth,cal}.
-#   0. in the background: the checkpoints of stages 2 and 3 (make-tiny's full-depth presets, on the GPU; the
-#      35B-A3B, CPU-heavy, only if HXF_CAL_ONLY names it, after stage 1), and exllamav3's extension
+#   0. in the background: the checkpoints of stages 2 and 3 (make-tiny's full-depth presets, on the GPU, after
+#      stage 1 when it runs; the 35B-A3B, CPU-heavy, only if HXF_CAL_ONLY names it), and exllamav3's extension
 #      (ci/exllamav3-build.py, 16 min of CPU beside other work in run 12; the gzipped module is left in
 #      /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) only if it was not carried
 #   1. moe: the MoE server suite (tests/gpu/test_moe_server.py, cells HXF_SERVER_CELLS), with py-spy
@@ -36,13 +36,17 @@ if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
   build=$!
 fi
 mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
-(
-  mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
-  ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
-  mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
-  mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
-) 2>&1 | tr '\r' '\n' | grep -v "/s\]$" > "$ROOT/checkpoints.log" &
-writer=$!
+write_checkpoints() {  # in the background; after stage moe when it runs, so that the MoE servers are alone
+  (
+    mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
+    ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
+    mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
+    mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
+  ) 2>&1 | tr '\r' '\n' | grep -v "/s\]$" > "$ROOT/checkpoints.log" &
+  writer=$!
+}
+writer=""
+case " ${HXF_STAGES:-moe fulldepth cal} " in *" moe "*) ;; *) write_checkpoints ;; esac
 # py-spy (its wheel is carried in .whl/; pip --target does not add a script to an existing bin/)
 [ -x "$SITE/bin/py-spy" ] || unzip -p .whl/py_spy-*.whl 'py_spy-*.data/scripts/py-spy' > "$SITE/bin/py-spy" 2>/dev/null
 chmod +x "$SITE/bin/py-spy" 2>/dev/null
@@ -75,6 +79,7 @@ for stage in ${HXF_STAGES:-moe fulldepth cal}; do
       stamp "moe: exit $?"
       kill "$watcher" 2>/dev/null
       tail -25 "$ROOT/moe/suite.log"
+      write_checkpoints
       ;;
     fulldepth)
       [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
