@@ -48,7 +48,7 @@ ADAPTERS = ("lora-a", "lora-b")
 REFUSED = "targets the routed experts of EXL3 MoE layers"
 
 # name: LoRA?, adapters given at start-up, extra args, extra env, what the cell must do (serve, refuse,
-# or the text of the upstream error it must stop with; any one of the alternatives)
+# no-answer, or the text of the upstream error it must stop with; any one of the alternatives)
 CELLS = {
     # eager twins first (the cells are tested in this order while all start at once): run 11's and run 12's
     # compiled MoE servers did not finish starting (docs/upstream/exl3-moe-compiled-graph-capture.md); the
@@ -62,6 +62,10 @@ CELLS = {
         "serve",
     ),
     "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
+    # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens), both
+    # EXL3 kernels on one lock array; the server starts (profiling is above the threshold) and, if that is
+    # the cause of runs 11-12, does not answer a short request
+    "moe-eager-bf16-nolora-noP6": (False, (), ["--enforce-eager"], {"HYBRID_EXL3_FIXES_DISABLE": "P6"}, "no-answer"),
     "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
     "moe-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
     # the same, capturing piecewise graphs only (the default on 0.21.0 is FULL_AND_PIECEWISE): tells which
@@ -97,6 +101,7 @@ CELLS = {
         ("new modular kernel initialization logic", "Old-style modular kernel not supported"),
     ),
 }
+NO_ANSWER_S = 120  # a tiny model answers a 4-token completion in well under a second
 MAIN = "moe-eager-bf16-lora"  # the runtime-adapter test's server (see the eager twins above)
 # each cell's checkpoint: make-tiny preset and folder under the work directory
 CHECKPOINTS = {"moe": ("tiny-moe", "server-moe"), "moe35": ("qwen3.6-35b-a3b", "server-moe35")}
@@ -180,6 +185,23 @@ def test_moe_cell(cell, moe_fleet, references, record):
         "overlay": sorted(set(server.overlay_lines())),
         **server.startup_figures(),
     }
+    if expect == "no-answer":
+        import openai
+
+        record(f"moe {cell}", **info)
+        assert up, f"{cell}: {server.root_error()}"
+        try:
+            client(server).with_options(timeout=NO_ANSWER_S).completions.create(
+                model=SERVED, prompt=prompts(1, 7)[0], max_tokens=4, temperature=0.0
+            )
+            answered = True
+        except openai.APITimeoutError:
+            answered = False
+        info["answered_within_s"] = None if not answered else NO_ANSWER_S
+        record(f"moe {cell}", **info)
+        server.stop()
+        assert not answered, f"{cell} answered: the aux-stream overlap is not what stops the EXL3 MoE server"
+        return
     if expect != "serve":
         text = server.text()
         info["root_error"] = server.root_error()[:600]
