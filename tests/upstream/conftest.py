@@ -13,6 +13,9 @@ import os
 import pytest
 
 UPSTREAM_FIXED: list[str] = []
+# P6's bug arrived with 0.21.0: UPSTREAM_FIXED on 0.20.0 means a release that never had it, not one that
+# fixed a bug its own way, so it does not take the drop-in tests away there
+ARRIVED_LATER = {"P6"}
 OVERLAY_MODE = os.environ.get("HYBRID_EXL3_FIXES_UPSTREAM_MODE", "overlay") == "overlay"
 
 if importlib.util.find_spec("aphrodite") is None:
@@ -23,7 +26,7 @@ elif OVERLAY_MODE:
     UPSTREAM_FIXED = [
         f"{r.patch.id} ({r.patch.upstream})"
         for r in hybrid_exl3_fixes.apply_all()
-        if r.status.value == "UPSTREAM_FIXED"
+        if r.status.value == "UPSTREAM_FIXED" and r.patch.id not in ARRIVED_LATER
     ]
 
 
