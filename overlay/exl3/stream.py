@@ -31,6 +31,7 @@ from pathlib import Path
 
 from . import codec
 from .tiny import (
+    QWEN36_35B_A3B_LAYER,
     Draw,
     TinySpec,
     _check,
@@ -80,20 +81,11 @@ FULL_PRESETS: dict[str, dict] = {
         head_bits=6,
     ),
     "qwen3.6-35b-a3b-full": dict(
-        hidden=2048,
+        **QWEN36_35B_A3B_LAYER,
         vocab=248320,
-        heads=16,
-        kv_heads=2,
-        head_dim=256,
-        gdn_key_heads=16,
-        gdn_value_heads=32,
-        gdn_head_dim=128,
         max_position=262144,
         layer_types=_FOUR * 10,
         experts=256,
-        experts_per_tok=8,
-        moe_intermediate=512,
-        shared_intermediate=512,
         bits=4,
         head_bits=6,
     ),

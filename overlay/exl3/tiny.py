@@ -85,6 +85,22 @@ THINK_TOKENS = {"<think>": 507, "</think>": 508}
 DTYPES = ("bfloat16", "float16")
 
 
+# The Qwen3.6-35B-A3B layer (its published config.json): attention, GatedDeltaNet and expert widths, 8 active
+# experts of 512 and a shared expert of 512; its 4-layer preset here and the full-depth one (stream.py) add
+# the depth, vocabulary and expert count
+QWEN36_35B_A3B_LAYER = dict(
+    hidden=2048,
+    heads=16,
+    kv_heads=2,
+    head_dim=256,
+    gdn_key_heads=16,
+    gdn_value_heads=32,
+    gdn_head_dim=128,
+    experts_per_tok=8,
+    moe_intermediate=512,
+    shared_intermediate=512,
+)
+
 # Named shapes (TinySpec.preset, make-tiny --preset); each stays 128-aligned per rank at TP=2.
 PRESETS: dict[str, dict] = {
     "tiny": {},
@@ -101,19 +117,10 @@ PRESETS: dict[str, dict] = {
     # 256, so that the dense twin stays small; its small-batch threshold (experts // active) is 4, which
     # sends 1, 2-4 and more rows down each of Exl3MoEMethod's three paths
     "qwen3.6-35b-a3b": dict(
-        hidden=2048,
+        **QWEN36_35B_A3B_LAYER,
         vocab=32768,
-        heads=16,
-        kv_heads=2,
-        head_dim=256,
-        gdn_key_heads=16,
-        gdn_value_heads=32,
-        gdn_head_dim=128,
         max_position=32768,
         experts=32,
-        experts_per_tok=8,
-        moe_intermediate=512,
-        shared_intermediate=512,
         adapters=("lora-a", "lora-b", "lora-experts"),
     ),
     "qwen3.6-27b": dict(
