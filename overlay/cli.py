@@ -362,7 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     doctor.add_argument("--max-loras", type=positive_int, default=1, help="with --enable-lora (engine default 1)")
     doctor.add_argument("--max-lora-rank", type=positive_int, default=16, help="with --enable-lora (engine default 16)")
-    doctor.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"])
+    doctor.add_argument(
+        "--kv-cache-dtype",
+        "--kv-dtype",
+        dest="kv_dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the engine's --kv-cache-dtype (auto: the activations' dtype; the fp8 kinds take 1 byte)",
+    )
     doctor.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     doctor.add_argument(
         "--language-model-only", action="store_true", help="text only: no processor files, no image budget"

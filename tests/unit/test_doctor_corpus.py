@@ -344,6 +344,24 @@ def test_model_dir_that_is_a_file_a_loop_or_missing(good, tmp_path):
         assert code == 2 and needle in messages(report), messages(report)
 
 
+def test_kv_cache_dtype_is_taken_under_the_engines_own_name(good):
+    """`--kv-cache-dtype fp8_e4m3`, as a user copies it from the aphrodite command line, plans the same
+    1-byte KV cache as `--kv-dtype fp8`; bfloat16 the same as auto for a bfloat16 model."""
+
+    def plan(*flags):
+        code, report, _ = doctor(good, "--gpu-mem", "24", "--max-model-len", "4096", *flags)
+        assert code != 2, messages(report)
+        return report["plan"]
+
+    def figures(p):  # the plan without its echo of the arguments
+        return {k: v for k, v in p.items() if k != "engine"}
+
+    e4m3 = plan("--kv-cache-dtype", "fp8_e4m3")
+    assert e4m3["engine"]["kv_dtype"] == "fp8_e4m3"
+    assert figures(e4m3) == figures(plan("--kv-dtype", "fp8")) != figures(plan())
+    assert figures(plan("--kv-cache-dtype", "bfloat16")) == figures(plan())
+
+
 def test_bad_flags_are_usage_errors_not_tracebacks(good, capsys):
     for flags in (
         ["--tp", "0"],
@@ -352,6 +370,7 @@ def test_bad_flags_are_usage_errors_not_tracebacks(good, capsys):
         ["--gpu-memory-utilization", "2"],
         ["--max-model-len", "x"],
         ["--kv-dtype", "int4"],
+        ["--kv-cache-dtype", "fp4"],
         ["--dtype", "int8"],
         ["--max-num-batched-tokens", "0"],
         ["--max-loras", "-2"],
