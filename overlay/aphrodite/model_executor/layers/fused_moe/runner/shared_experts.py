@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybrid_exl3_fixes.aphrodite.lora.layers.utils import exl3_placeholder
+from hybrid_exl3_fixes.aphrodite.lora.layers.utils import exl3_placeholder, fake_exl3_layer
 from hybrid_exl3_fixes.registry import Live, NotApplicable, Patch, Target, tag
 
 MODULE = "aphrodite.model_executor.layers.fused_moe.runner.shared_experts"
@@ -51,8 +51,6 @@ def stand_in_shared_experts(cls: type) -> Any:
     """A SharedExperts never initialised by its own constructor, whose shared expert is an EXL3 MLP (one
     loaded EXL3 linear); it lacks everything else, so code that goes past the EXL3 question raises."""
     import torch
-
-    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import fake_exl3_layer
 
     shared = object.__new__(cls)
     expert = torch.nn.Module()
