@@ -4,6 +4,9 @@
 # finished piece is skipped. Results under /tmp/hxf-out/fulldepth (bundle: fulldepth-results.tgz).
 #   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only)
 #   HXF_FD_SECONDS                                   no new piece after this many seconds (default 1500)
+#   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order (run 13: "base lora exllamav3",
+#                                                    so that the LoRA cost is a ratio measured in one run first)
+#   HXF_FD_CONCURRENCY="1,2,...,256"                 the levels of every piece (bench/serving_http.py's default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE="${HXF_SITE:-/tmp/devsite}" OUT=/tmp/hxf-out/fulldepth MODELS=/tmp/hxf-fd/models
@@ -18,18 +21,20 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   m="$MODELS/$preset"
   [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$preset"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
-  # base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
-  for kind in base exllamav3 lora; do
+  # default base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
+  for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
     [ -e "$r" ] && grep -q '"rows"' "$r" && continue
     [ "$(left)" -gt 120 ] || break 2
     if [ "$kind" = exllamav3 ]; then
-      ( source ci/exllamav3-env.sh && python3 bench/exllamav3_generator.py "$m/exl3" --out "$r" --deadline "$(left)" ) \
+      ( source ci/exllamav3-env.sh && python3 bench/exllamav3_generator.py "$m/exl3" --out "$r" --deadline "$(left)" \
+        ${HXF_FD_CONCURRENCY:+--concurrency "$HXF_FD_CONCURRENCY"} ) \
         > "$OUT/$preset-exllamav3.log" 2>&1
       continue
     fi
     adapter=(); [ "$kind" = lora ] && adapter=(--adapter "$m/lora-a")
     python3 bench/serving_http.py "$m/exl3" --out "$r" "${adapter[@]}" --deadline "$(left)" \
+      ${HXF_FD_CONCURRENCY:+--concurrency "$HXF_FD_CONCURRENCY"} \
       --engine-args "--gdn-prefill-backend triton --language-model-only"
   done
 done
