@@ -15,7 +15,7 @@ from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
 from .aphrodite.lora.layers import utils as _p2
 from .aphrodite.model_executor.layers.fused_moe.runner import shared_experts as _p6
-from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3 and P4
+from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4 and P7
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
 __all__ = [
@@ -33,7 +33,16 @@ __all__ = [
 
 PLUGIN_NAME = "hybrid_exl3_fixes"
 
-PATCHES: list[Patch] = [_p1.PATCH, _p2.PATCH, _p2b.PATCH, _p1.PATCH_P3, _p1.PATCH_P4, _p5.PATCH, _p6.PATCH]
+PATCHES: list[Patch] = [
+    _p1.PATCH,
+    _p2.PATCH,
+    _p2b.PATCH,
+    _p1.PATCH_P3,
+    _p1.PATCH_P4,
+    _p5.PATCH,
+    _p6.PATCH,
+    _p1.PATCH_P7,
+]
 REGISTRY = Registry(PATCHES)
 
 

@@ -88,13 +88,15 @@ class Target:
     ``binds`` names the defining target when this module holds a ``from x import y`` copy of
     it: such a copy must be the very same object, or the module has drifted.
     ``params`` is the parameter list the replacement was written against (``None``: a
-    property or non-callable, checked by kind only).
+    property or non-callable, checked by kind only); ``also`` lists other parameter lists the
+    replacement takes as they are (a method that gained a parameter in a later release).
     """
 
     module: str
     qualname: str
     params: tuple[str, ...] | None = None
     binds: str | None = None
+    also: tuple[tuple[str, ...], ...] = ()
 
     @property
     def key(self) -> str:
@@ -237,7 +239,7 @@ class Registry:
                 params = tuple(inspect.signature(item.function).parameters)
             except (TypeError, ValueError) as exc:
                 raise Drift(f"{target.key} has no readable signature: {exc}") from exc
-            if params != target.params:
+            if params != target.params and params not in target.also:
                 raise Drift(
                     f"{target.key} takes ({', '.join(params)}), the patch was written for ({', '.join(target.params)})"
                 )

@@ -39,9 +39,13 @@ P3_APPLIED = (
 )
 
 
-# Drop-in tests of a patch the overlay still applies on releases that fixed others (P5, P6 on 0.22-0.24.1):
+# Drop-in tests of a patch the overlay still applies on releases that fixed others (P5, P6, P7 on 0.22-0.24.1):
 # they run wherever that patch is APPLIED.
-RUNS_WHERE_APPLIED = {"test_fused_moe_exl3.py": "P5", "test_exl3_shared_expert_stream.py": "P6"}
+RUNS_WHERE_APPLIED = {
+    "test_fused_moe_exl3.py": "P5",
+    "test_exl3_shared_expert_stream.py": "P6",
+    "test_exl3_moe_graph_capacity.py": "P7",
+}
 APPLIED = (
     {r.patch.id for r in hybrid_exl3_fixes.REGISTRY.results.values() if r.status.value == "APPLIED"}
     if OVERLAY_MODE and importlib.util.find_spec("aphrodite") is not None
