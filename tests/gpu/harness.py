@@ -67,6 +67,29 @@ class Reference:
         for name in adapters[1:]:
             model.load_adapter(tiny / name, adapter_name=name)
         self.model, self.torch, self.cache = model.eval(), torch, {}
+        self.tiny, self.arch = tiny, arch
+
+    def bf16_spread(self, prompt_ids: list[list[int]]) -> float:
+        """How far HF itself moves from this float32 reference when it runs in bfloat16 (the engine's
+        activation dtype): max |d logprob| of each prompt token and of each position's top-1 token, base
+        model. The floor under any bfloat16 engine's error on this checkpoint (make-tiny's qwen3.6-35b-a3b, where
+        8 of 32 experts are chosen per token and near-ties flip: 0.87 over a cell's prompts; tiny-moe: 0.029)."""
+        import transformers
+
+        torch = self.torch
+        bf16 = getattr(transformers, self.arch).from_pretrained(self.tiny / "dense", dtype=torch.bfloat16)
+        bf16 = bf16.cuda().eval()
+        worst = 0.0
+        for ids in prompt_ids:
+            ref = self.logprobs(ids, None)
+            with torch.no_grad():
+                low = bf16(input_ids=torch.tensor([ids]).cuda()).logits[0].float().log_softmax(-1).cpu()
+            rows = torch.arange(len(ids) - 1)
+            for tokens in (torch.tensor(ids[1:]), ref[:-1].argmax(-1)):
+                worst = max(worst, (ref[rows, tokens] - low[rows, tokens]).abs().max().item())
+        del bf16
+        torch.cuda.empty_cache()
+        return worst
 
     def logprobs(self, ids: list[int], adapter: str | None):
         """(len(ids), vocab) log-softmax rows: row i is the distribution of token i + 1."""

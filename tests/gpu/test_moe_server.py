@@ -46,9 +46,15 @@ BASE_PORT = 8200
 SERVED = "tiny-moe"
 ADAPTERS = ("lora-a", "lora-b")
 REFUSED = "targets the routed experts of EXL3 MoE layers"
+# A random MoE at the 35B-A3B width is sensitive to the activation dtype itself: HF in bfloat16 is 0.87 from HF in
+# float32 over a cell's 19 prompts (make-tiny qwen3.6-35b-a3b, CPU, 2026-12-01; tiny-moe: 0.029), against the
+# served model's 0.21 alone and 0.33 mixed in run 13, because 8 of 32 experts are chosen per token and near-ties
+# flip. Each cell's tolerance is the larger
+# of TOLERANCE and this factor times HF's own bfloat16 spread on the cell's checkpoint and prompts.
+SPREAD_FACTOR = 1.5
 
 # name: LoRA?, adapters given at start-up, extra args, extra env, what the cell must do (serve, refuse,
-# no-answer, or the text of the upstream error it must stop with; any one of the alternatives)
+# or the text of the upstream error it must stop with; any one of the alternatives)
 CELLS = {
     # eager twins first (the cells are tested in this order while all start at once): run 11's and run 12's
     # compiled MoE servers did not finish starting (docs/upstream/exl3-moe-compiled-graph-capture.md); the
@@ -62,10 +68,10 @@ CELLS = {
         "serve",
     ),
     "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
-    # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens), both
-    # EXL3 kernels on one lock array; the server starts (profiling is above the threshold) and, if that is
-    # the cause of runs 11-12, does not answer a short request
-    "moe-eager-bf16-nolora-noP6": (False, (), ["--enforce-eager"], {"HYBRID_EXL3_FIXES_DISABLE": "P6"}, "no-answer"),
+    # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens). Run 13
+    # refuted it as the cause of runs 11-12's silence (this cell answered at once); served against HF + PEFT,
+    # it tells whether the overlap of EXL3 kernels sharing one lock array changes the numbers
+    "moe-eager-bf16-nolora-noP6": (False, (), ["--enforce-eager"], {"HYBRID_EXL3_FIXES_DISABLE": "P6"}, "serve"),
     "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
     "moe-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
     # the same, capturing piecewise graphs only (the default on 0.21.0 is FULL_AND_PIECEWISE): tells which
@@ -101,7 +107,6 @@ CELLS = {
         ("new modular kernel initialization logic", "Old-style modular kernel not supported"),
     ),
 }
-NO_ANSWER_S = 120  # a tiny model answers a 4-token completion in well under a second
 MAIN = "moe-eager-bf16-lora"  # the runtime-adapter test's server (see the eager twins above)
 # each cell's checkpoint: make-tiny preset and folder under the work directory
 CHECKPOINTS = {"moe": ("tiny-moe", "server-moe"), "moe35": ("qwen3.6-35b-a3b", "server-moe35")}
@@ -185,23 +190,6 @@ def test_moe_cell(cell, moe_fleet, references, record):
         "overlay": sorted(set(server.overlay_lines())),
         **server.startup_figures(),
     }
-    if expect == "no-answer":
-        import openai
-
-        record(f"moe {cell}", **info)
-        assert up, f"{cell}: {server.root_error()}"
-        try:
-            client(server).with_options(timeout=NO_ANSWER_S).completions.create(
-                model=SERVED, prompt=prompts(1, 7)[0], max_tokens=4, temperature=0.0
-            )
-            answered = True
-        except openai.APITimeoutError:
-            answered = False
-        info["answered_within_s"] = None if not answered else NO_ANSWER_S
-        record(f"moe {cell}", **info)
-        server.stop()
-        assert not answered, f"{cell} answered: the aux-stream overlap is not what stops the EXL3 MoE server"
-        return
     if expect != "serve":
         text = server.text()
         info["root_error"] = server.root_error()[:600]
@@ -227,15 +215,19 @@ def test_moe_cell(cell, moe_fleet, references, record):
         server, references(checkpoint_of(cell)), [None, *adapters], SERVED, info, lambda: record(f"moe {cell}", **info)
     )
     assert not failed, failed[:3]
-    assert info["max_abs_dlogprob"] < TOLERANCE, info
+    # no closer than HF's own bfloat16 run can be (SPREAD_FACTOR of it), and never looser than TOLERANCE
+    spread = references(checkpoint_of(cell)).bf16_spread([*prompts(3, 1), *prompts(16, 2)])
+    info["hf_bf16_spread"], info["tolerance"] = round(spread, 4), round(max(TOLERANCE, SPREAD_FACTOR * spread), 4)
+    record(f"moe {cell}", **info)
+    assert info["max_abs_dlogprob"] < info["tolerance"], info
     if lora:
-        assert info["lora-a vs base reference"] > 3 * TOLERANCE, "the adapter made no difference"
+        assert info["lora-a vs base reference"] > 3 * info["tolerance"], "the adapter made no difference"
     if cell != MAIN:
         server.stop()
 
 
 def test_moe_expert_adapter_refused_at_runtime_and_the_server_serves_on(moe_fleet, moe, moe_reference, record):
-    """/v1/load_lora_adapter with lora-experts: a 4xx JSON error naming the expert modules, not
+    """/v1/load_lora_adapter with lora-experts: a JSON error naming the expert modules (500 on 0.21), not
     listed afterwards, server healthy and still serving lora-a as HF + PEFT does; an allowed adapter
     (lora-b's folder under a new name) loads at runtime and serves lora-b's outputs."""
     import httpx
@@ -271,6 +263,8 @@ def test_moe_expert_adapter_refused_at_runtime_and_the_server_serves_on(moe_flee
         "allowed adapter max_abs_dlogprob": round(served_b["max_abs_dlogprob"], 4),
     }
     record(f"moe runtime adapters ({MAIN})", **info)
-    assert 400 <= refused.status_code < 500 and REFUSED in message and info["names_modules"], info
+    # 0.21's load_lora_adapter re-raises whatever add_lora raised (entrypoints/openai/models/serving.py), so
+    # every failed load is a 500 there, ours included (run 13); the refusal is in the message, nothing is loaded
+    assert 400 <= refused.status_code < 600 and REFUSED in message and info["names_modules"], info
     assert not info["listed_after"] and healthy and after["max_abs_dlogprob"] < TOLERANCE, info
     assert allowed.status_code == 200 and served_b["max_abs_dlogprob"] < TOLERANCE, info

@@ -171,6 +171,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P4", "APPLIED"),
         ("P5", "APPLIED"),
         ("P6", "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED"),
+        ("P7", "APPLIED"),
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -218,7 +219,13 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + ["P5", "P4", "P2b", "P2", "P1"]
+    assert overlay.undo_all() == ["P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
+        "P5",
+        "P4",
+        "P2b",
+        "P2",
+        "P1",
+    ]
     assert all(current()[k] is originals[k] for k in originals)
     assert overlay.undo_all() == []
 
@@ -238,6 +245,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P4": "APPLIED",
         "P5": "APPLIED",
         "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
+        "P7": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -274,10 +282,10 @@ def test_fixed_release_is_left_alone(overlay):
             return f"{type(exc).__name__}: {exc}"
 
     assert outcome(before[1], fake_exl3_layer()) == outcome(utils._get_lora_device, fake_exl3_layer())
-    # P2b, P4, P5 and P6 are still needed there (0.24.1 has the same weight property, apply, MoE LoRA wrapper
-    # and shared-expert stream choice)
-    assert {results[p].status.value for p in ("P2b", "P4", "P5", "P6")} == {"APPLIED"}
-    assert "hybrid-exl3-fixes: applied=5 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
+    # P2b, P4, P5, P6 and P7 are still needed there (0.24.1 has the same weight property, apply, MoE LoRA
+    # wrapper, shared-expert stream choice and capture shortcut in the EXL3 MoE apply)
+    assert {results[p].status.value for p in ("P2b", "P4", "P5", "P6", "P7")} == {"APPLIED"}
+    assert "hybrid-exl3-fixes: applied=6 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 

@@ -76,8 +76,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P4": "APPLIED",
             "P5": "APPLIED",
             "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
+            "P7": "APPLIED",
         }
-        applied = 5 if APHRODITE_VERSION == "0.20.0" else 6
+        applied = 6 if APHRODITE_VERSION == "0.20.0" else 7
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
         summary = f"hybrid-exl3-fixes: applied={applied} upstream_fixed={upstream_fixed} drifted=0"
         assert summary in proc.stdout + proc.stderr
@@ -85,6 +86,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P1"] == "UPSTREAM_FIXED" and out["results"]["P2"] == "APPLIED"  # its MoE branch
         assert out["results"]["P5"] == "APPLIED"  # EXL3 MoE + LoRA, in every release
         assert out["results"]["P6"] == "APPLIED"  # the EXL3 shared expert's stream, 0.21+
+        assert out["results"]["P7"] == "APPLIED"  # EXL3 experts over the kernel's capacity in a CUDA graph
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -255,6 +257,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P4": "UPSTREAM_FIXED",
         "P5": "UPSTREAM_FIXED",
         "P6": "UPSTREAM_FIXED",
+        "P7": "UPSTREAM_FIXED",
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

@@ -92,7 +92,8 @@ How:     While a graph is being captured and the batch has more rows than can be
          into one tensor: the captured graph then holds one exact kernel call per chunk. Eager calls
          and batches that cannot overflow go to the original unchanged.
 Probe:   the live ``apply`` (its source, read with ``inspect``) returns from a branch that tests
-         ``is_current_stream_capturing`` after calling ``exl3_moe``: the fallback is skipped in graphs.
+         ``is_current_stream_capturing`` after calling ``exl3_moe`` (the fallback is skipped in graphs),
+         and has no such branch ahead of the kernel (where patches/0008 chunks the batch).
 Upstream: not reported yet; the upstream-ready diff is patches/0008-exl3-moe-graph-expert-capacity.patch.
 Retire when: an aphrodite release runs the overflow experts (or chunks the batch) under capture and is
          the oldest supported one.
@@ -586,15 +587,18 @@ def returns_when_capturing(function) -> bool:
     )
     if kernel_line is None:
         raise NotApplicable("Exl3MoEMethod.apply does not call ops.exl3_moe here")
+    returns = {"before": False, "after": False}  # a capture branch that returns, before / after the kernel
     for node in ast.walk(tree):
-        if not isinstance(node, ast.If) or node.lineno < kernel_line:
+        if not isinstance(node, ast.If):
             continue
         tests_capture = calls_capturing(node.test) or any(
             isinstance(n, ast.Name) and n.id in names for n in ast.walk(node.test)
         )
         if tests_capture and any(isinstance(n, ast.Return) for b in node.body for n in ast.walk(b)):
-            return True
-    return False
+            returns["before" if node.lineno < kernel_line else "after"] = True
+    # a capture branch ahead of the kernel (patches/0008 chunks the batch there) means the graph path no
+    # longer ends at the kernel alone
+    return returns["after"] and not returns["before"]
 
 
 def probe_moe_graph_capacity(live: dict[str, Live]) -> bool:
