@@ -12,11 +12,9 @@ Why:     For a batch of at most ``APHRODITE_SHARED_EXPERTS_STREAM_TOKEN_THRESHOL
          ``_determine_shared_experts_order`` returned NO_OVERLAP for such a method (and while compiling
          or capturing). 0.21.0 (the upstream sync dphnAI/sonar@18f852d0b) dropped that check and the base
          property; ``Exl3MoEMethod`` still declares False, and nothing reads it (0.21.0 - 0.24.1).
-         Observed with it (runs 11 and 12, H200, 0.21.0, tiny EXL3 MoE): profiling at 2,048 tokens
-         (above the threshold: no overlap) passes; the first request of an eager server (a few tokens)
-         never answers, and no compiled server finishes CUDA-graph capture (sizes up to 256 overlap).
-         That this is the cause is read from the code; the GPU run that confirms it is planned
-         (docs/upstream/exl3-moe-shared-expert-stream.md).
+         First read as the cause of runs 11-12's silent MoE servers; run 13 (H200, 0.21.0) refuted that:
+         with P6 off the eager server answered at once. No wrong number has been measured without it
+         yet; P6 restores the opt-out Exl3MoEMethod declares (docs/upstream/exl3-moe-shared-expert-stream.md).
 How:     Wrap ``_determine_shared_experts_order``: when the shared expert module holds EXL3 layers
          (answer cached on the instance), return NO_OVERLAP; otherwise defer to the original. The
          shared expert then runs on the main stream, in order with the routed experts, as on 0.20.
