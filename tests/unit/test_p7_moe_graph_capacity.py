@@ -54,14 +54,14 @@ def test_p7_wraps_the_real_method_and_undo_restores_it(overlay):
 
 # today's capacities: 128 tokens per expert (0.20-0.24), and 0.24's SM110 (32; 1 for batches of up to 32)
 LAYERS = {
-    "default": types.SimpleNamespace(exl3_small_batch_threshold=2, exl3_moe_max_tokens_per_expert=128),
+    "default": types.SimpleNamespace(exl3_small_batch_threshold=2, exl3_moe_max_tokens_per_expert=128, hidden_size=16),
     "sm110": types.SimpleNamespace(
         exl3_small_batch_threshold=4,
         exl3_moe_max_tokens_per_expert=32,
         exl3_moe_short_token_threshold=32,
         exl3_moe_short_max_tokens_per_expert=1,
     ),
-    "0.21": types.SimpleNamespace(exl3_small_batch_threshold=4),  # the module constant: 128
+    "0.21": types.SimpleNamespace(exl3_small_batch_threshold=4, hidden_size=16),  # the module constant: 128
 }
 
 

@@ -660,29 +660,19 @@ def build_moe_graph_capacity(live: dict[str, Live]) -> dict[str, Any]:
     import torch
 
     def apply(self, layer, x, topk_weights, topk_ids, *rest, **kwargs):
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if safe_rows(layer, rows) or not torch.cuda.is_current_stream_capturing():
+        rows = x.numel() // x.shape[-1]
+        if not torch.cuda.is_current_stream_capturing() or safe_rows(layer, rows):  # eager calls: one C check
             return original(self, layer, x, topk_weights, topk_ids, *rest, **kwargs)
         x_2d = x.reshape(rows, x.shape[-1])
         weights, ids = topk_weights.reshape(rows, -1), topk_ids.reshape(rows, -1)
-        output = None
+        output = torch.empty((rows, layer.hidden_size), dtype=x.dtype, device=x.device)  # what apply returns
         start = 0
         for size in chunk_rows(layer, rows):
-            part = original(
-                self,
-                layer,
-                x_2d[start : start + size],
-                weights[start : start + size],
-                ids[start : start + size],
-                *rest,
-                **kwargs,
-            )
-            part = part.reshape(size, part.shape[-1])
-            if output is None:
-                output = torch.empty((rows, part.shape[-1]), dtype=part.dtype, device=part.device)
-            output[start : start + size] = part
-            start += size
-        return output.reshape(*x.shape[:-1], output.shape[-1])
+            end = start + size
+            part = original(self, layer, x_2d[start:end], weights[start:end], ids[start:end], *rest, **kwargs)
+            output[start:end] = part.reshape(size, layer.hidden_size)
+            start = end
+        return output.reshape(*x.shape[:-1], layer.hidden_size)
 
     return {MOE_APPLY.key: tag("P7", apply, original)}
 
