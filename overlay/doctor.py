@@ -553,6 +553,44 @@ def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: s
     )
 
 
+MOE_GRAPH_DOC = "docs/upstream/exl3-moe-graph-expert-capacity.md"
+
+
+def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_status: str | None) -> None:
+    """EXL3 MoE in CUDA graphs (the default compiled mode): every release 0.20.0-0.24.1 leaves out any expert
+    that gets more than 128 of a captured batch's tokens (run 13, H200, 0.21.0: 0.185 nats off HF with 16
+    requests at once); the overlay's P7 chunks the captured batch. OK in eager mode or where P7 runs."""
+    if not (shape.moe and shape.quant.get("quant_method") == "exl3"):
+        return
+    if enforce_eager:
+        report.add("OK", "moe-graphs", "EXL3 MoE with --enforce-eager: no CUDA graphs, every expert is computed")
+        return
+    if p7_status in ("APPLIED", "UPSTREAM_FIXED"):
+        report.add(
+            "OK",
+            "moe-graphs",
+            "EXL3 MoE in the default compiled mode: the fused expert kernel skips an expert with more than 128 of "
+            "a batch's tokens, which aphrodite recomputes outside CUDA graphs only; "
+            + ("the overlay's P7 chunks captured batches here" if p7_status == "APPLIED" else "this aphrodite fixed it")
+            + f" ({MOE_GRAPH_DOC})",
+        )
+        return
+    where = (
+        "unless this overlay is installed in that environment"
+        if p7_status in (None, "NOT_APPLICABLE")
+        else (f"and the overlay's P7 is not active ({p7_status})")
+    )
+    report.add(
+        "WARN",
+        "moe-graphs",
+        f"EXL3 MoE in the default compiled mode, {where}: aphrodite 0.20.0-0.24.1 leave out every expert that gets "
+        "more than 128 of a batch's tokens inside a CUDA graph (batches of 129-512 tokens by default), silently: "
+        "measured 0.185 nats off the reference with 16 requests at once on a 4-expert model, and likelier the "
+        "fewer experts a model has. Let P7 run, or serve with --enforce-eager (no CUDA graphs: slower) "
+        f"({MOE_GRAPH_DOC})",
+    )
+
+
 def check_compiled_mode(
     report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto", p4_status: str | None = None
 ) -> None:
@@ -698,6 +736,7 @@ def diagnose(
         if config is not None:
             check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
             check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
+            check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
     report.plan = memory_plan(
         report,
         folder,

@@ -203,6 +203,35 @@ def test_doctor_on_exl3_moe_with_lora_follows_p5(moe, p5, expected):
     assert not empty.findings  # without --enable-lora there is nothing to say
 
 
+@pytest.mark.parametrize(
+    "p7, eager, expected",
+    [
+        ("APPLIED", False, "OK"),
+        ("UPSTREAM_FIXED", False, "OK"),
+        ("DISABLED", False, "WARN"),
+        (None, False, "WARN"),
+        ("DISABLED", True, "OK"),
+    ],
+)
+def test_doctor_on_exl3_moe_in_cuda_graphs_follows_p7(moe, p7, eager, expected):
+    """EXL3 MoE in the default compiled mode drops experts over the fused kernel's capacity on every release
+    unless P7 runs (run 13, 0.21.0); eager mode has no graphs. Only the missing fix costs --enforce-eager."""
+    from hybrid_exl3_fixes import doctor
+
+    dest, _ = moe
+    report = doctor.Report(str(dest))
+    shape = doctor.parse_config(json.loads((dest / "exl3" / "config.json").read_text()))[0]
+    doctor.check_moe_graphs(report, shape, eager, p7)
+    found = {f.check: f for f in report.findings}["moe-graphs"]
+    assert found.level == expected, found.message
+    assert ("--enforce-eager (no CUDA graphs: slower)" in found.message) == (expected == "WARN")
+    dense = doctor.Report(str(dest))
+    doctor.check_moe_graphs(
+        dense, doctor.parse_config(json.loads((dest / "dense" / "config.json").read_text()))[0], False, None
+    )
+    assert not dense.findings  # the dense twin is not EXL3: nothing to say
+
+
 def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     from hybrid_exl3_fixes import doctor
 
@@ -210,3 +239,4 @@ def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     report = doctor.diagnose(dest / "exl3", language_model_only=True, enable_lora=True)
     level = {f.check: f.level for f in report.findings}["moe-lora"]
     assert level == ("OK" if HAS_APHRODITE else "WARN")
+    assert {f.check: f.level for f in report.findings}["moe-graphs"] == ("OK" if HAS_APHRODITE else "WARN")
