@@ -59,6 +59,7 @@ watch_moe() {  # what a MoE server that has not started or not answered is doing
       log=$(readlink "/proc/$pid/fd/1" 2>/dev/null) || continue
       case "$log" in *server-moe-*) ;; *) continue ;; esac
       grep -q '"POST /v1/completions' "$log" 2>/dev/null && continue  # it has answered a request
+      grep -q resource_tracker "/proc/$pid/cmdline" 2>/dev/null && continue  # multiprocessing's helper (run 13)
       echo "== t=${t}s pid $pid ($(basename "$log")): $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-120)"
       echo "-- last line: $(tail -1 "$log" | cut -c1-200)"
       timeout 30 py-spy dump --native --pid "$pid" 2>&1 | head -120
