@@ -181,6 +181,22 @@ def test_binding_site_that_stopped_importing_by_name_is_drifted(aphrodite_copy):
     _check_untouched(aphrodite_copy, ["utils._get_lora_device", "base_linear._get_lora_device"])
 
 
+@needs_buggy
+def test_an_unknown_signature_of_the_moe_apply_is_drifted(aphrodite_copy):
+    """P7's target takes two parameter lists (0.20/0.21 and 0.22+); a third is DRIFTED, the method left alone."""
+    exl3 = aphrodite_copy / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py"
+    text = exl3.read_text()
+    old = (
+        "        shared_experts_input: torch.Tensor | None,\n    ) -> torch.Tensor:\n        del shared_experts_input\n"
+    )
+    assert text.count(old) == 1  # Exl3MoEMethod.apply's last parameter
+    exl3.write_text(text.replace(old, old.replace("None,\n", "None,\n        routed_scaling: float = 1.0,\n", 1)))
+    code, report = run_status(aphrodite_copy)
+    assert code == 1 and by_id(report)["P7"]["status"] == "DRIFTED", by_id(report)["P7"]
+    assert "routed_scaling" in by_id(report)["P7"]["reason"]
+    _check_untouched(aphrodite_copy, ["exl3.Exl3MoEMethod.apply"])
+
+
 def _p1_drift_after(site: Path, old: str, new: str) -> str:
     """Edit the copy's exl3.py, run status in a fresh process: P1 must be DRIFTED; returns its reason."""
     _edit(site / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py", old, new)
