@@ -6,13 +6,16 @@
 #      stage 1 when it runs; the 35B-A3B, CPU-heavy, only if HXF_CAL_ONLY names it), and exllamav3's extension
 #      (ci/exllamav3-build.py, 16 min of CPU beside other work in run 12; the gzipped module is left in
 #      /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) only if it was not carried
+#   upstream: tests/upstream on the GPU, with the overlay and raw (upstream-{overlay,raw}/; raw must fail where
+#      the drop-ins test a bug the release has)
 #   1. moe: the MoE server suite (tests/gpu/test_moe_server.py, cells HXF_SERVER_CELLS), with py-spy
 #      dumps of every process of a MoE server that has not started, or has started and not answered,
 #      at 240, 330 and 420 s (moe/pyspy.txt)
 #   2. fulldepth: ci/device-session-fulldepth.sh once its checkpoint is written and any extension build
 #      has ended (it would take the benchmark's CPU)
 #   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left
-#   HXF_STAGES="moe fulldepth cal"  HXF_SESSION_SECONDS (default 1560): no stage starts after it
+#   HXF_STAGES="moe fulldepth cal" (default; add upstream first)  HXF_SESSION_SECONDS (default 1560): no stage
+#      starts after it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE="${HXF_SITE:-/tmp/devsite}" ROOT=/tmp/hxf-out
@@ -70,6 +73,13 @@ watch_moe() {  # what a MoE server that has not started or not answered is doing
 for stage in ${HXF_STAGES:-moe fulldepth cal}; do
   [ "$(left)" -gt 240 ] || { stamp "no time left for $stage"; continue; }
   case "$stage" in
+    upstream)  # the drop-in upstream tests on the GPU, with the overlay and raw (a minute)
+      for mode in overlay raw; do
+        HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode OUT="$ROOT/upstream-$mode" HXF_SITE="" HXF_PYTEST_TIMEOUT=240 \
+          bash ci/gpu.sh tests/upstream > "$ROOT/upstream-$mode.log" 2>&1
+        stamp "upstream ($mode): exit $? $(tail -1 "$ROOT/upstream-$mode.log")"
+      done
+      ;;
     moe)
       stamp "moe: $HXF_SERVER_CELLS"
       moe_t0=$SECONDS
