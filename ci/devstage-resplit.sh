@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 MIB="${1:-52}"
-parts=$(ls -d .devstage/[0-9]* 2>/dev/null | sort -V)
+parts=$(ls -d .devstage/[0-9]* 2>/dev/null | sort -V || true)
 [ -n "$parts" ] && [ -e .devstage/install/install.sh ] || { echo "no .devstage/ here: run ../shared/device/stage.sh first"; exit 2; }
 old=$(echo "$parts" | wc -l)
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
