@@ -183,24 +183,28 @@ def test_doctor_checks_expert_codebooks_against_the_installed_kernel(
     assert report.plan["active_expert_bytes_per_token"] == report.plan["expert_weight_bytes"] // 2  # 2 of 4
 
 
+def finding(check, dest, folder, *args):
+    """Run one doctor check on the shape of ``dest/folder``'s config; its finding (None: it said nothing)."""
+    from hybrid_exl3_fixes import doctor
+
+    report = doctor.Report(str(dest))
+    shape = doctor.parse_config(json.loads((dest / folder / "config.json").read_text()))[0]
+    getattr(doctor, check)(report, shape, *args)
+    return report.findings[0] if report.findings else None
+
+
 @pytest.mark.parametrize(
     "p5, expected",
     [("APPLIED", "OK"), ("UPSTREAM_FIXED", "OK"), ("DISABLED", "BLOCK"), (None, "WARN"), ("NOT_APPLICABLE", "WARN")],
 )
 def test_doctor_on_exl3_moe_with_lora_follows_p5(moe, p5, expected):
     """EXL3 MoE + --enable-lora stops at start-up on every release unless P5 runs (run 11, 0.21.0)."""
-    from hybrid_exl3_fixes import doctor
-
     dest, _ = moe
-    report = doctor.Report(str(dest))
-    shape = doctor.parse_config(json.loads((dest / "exl3" / "config.json").read_text()))[0]
-    doctor.check_moe_lora(report, shape, True, p5)
-    found = {f.check: f for f in report.findings}["moe-lora"]
-    assert found.level == expected, found.message
+    found = finding("check_moe_lora", dest, "exl3", True, p5)
+    assert found.check == "moe-lora" and found.level == expected, found.message
     if expected != "OK":
         assert "new modular kernel initialization logic" in found.message
-    doctor.check_moe_lora(empty := doctor.Report(str(dest)), shape, False, p5)
-    assert not empty.findings  # without --enable-lora there is nothing to say
+    assert finding("check_moe_lora", dest, "exl3", False, p5) is None  # without --enable-lora nothing to say
 
 
 @pytest.mark.parametrize(
@@ -216,20 +220,11 @@ def test_doctor_on_exl3_moe_with_lora_follows_p5(moe, p5, expected):
 def test_doctor_on_exl3_moe_in_cuda_graphs_follows_p7(moe, p7, eager, expected):
     """EXL3 MoE in the default compiled mode drops experts over the fused kernel's capacity on every release
     unless P7 runs (run 13, 0.21.0); eager mode has no graphs. Only the missing fix costs --enforce-eager."""
-    from hybrid_exl3_fixes import doctor
-
     dest, _ = moe
-    report = doctor.Report(str(dest))
-    shape = doctor.parse_config(json.loads((dest / "exl3" / "config.json").read_text()))[0]
-    doctor.check_moe_graphs(report, shape, eager, p7)
-    found = {f.check: f for f in report.findings}["moe-graphs"]
-    assert found.level == expected, found.message
+    found = finding("check_moe_graphs", dest, "exl3", eager, p7)
+    assert found.check == "moe-graphs" and found.level == expected, found.message
     assert ("--enforce-eager (no CUDA graphs: slower)" in found.message) == (expected == "WARN")
-    dense = doctor.Report(str(dest))
-    doctor.check_moe_graphs(
-        dense, doctor.parse_config(json.loads((dest / "dense" / "config.json").read_text()))[0], False, None
-    )
-    assert not dense.findings  # the dense twin is not EXL3: nothing to say
+    assert finding("check_moe_graphs", dest, "dense", False, None) is None  # the twin is not EXL3: nothing to say
 
 
 def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
