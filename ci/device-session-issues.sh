@@ -19,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE="${HXF_SITE:-/tmp/devsite}" ROOT=/tmp/hxf-out
-BUDGET="${HXF_SESSION_SECONDS:-1560}"
+BUDGET="${HXF_SESSION_SECONDS:-1560}" STAGES="${HXF_STAGES:-moe fulldepth cal}"
 mkdir -p "$ROOT/moe" "$ROOT/cal" /tmp/hxf-cal/models /tmp/hxf-fd/models
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
 left() { echo $((BUDGET - SECONDS)); }
@@ -49,7 +49,7 @@ write_checkpoints() {  # in the background; after stage moe when it runs, so tha
   writer=$!
 }
 writer=""
-case " ${HXF_STAGES:-moe fulldepth cal} " in *" moe "*) ;; *) write_checkpoints ;; esac
+case " $STAGES " in *" moe "*) ;; *) write_checkpoints ;; esac
 # py-spy (its wheel is carried in .whl/; pip --target does not add a script to an existing bin/)
 [ -x "$SITE/bin/py-spy" ] || unzip -p .whl/py_spy-*.whl 'py_spy-*.data/scripts/py-spy' > "$SITE/bin/py-spy" 2>/dev/null
 chmod +x "$SITE/bin/py-spy" 2>/dev/null
@@ -70,7 +70,7 @@ watch_moe() {  # what a MoE server that has not started or not answered is doing
   done
 }
 
-for stage in ${HXF_STAGES:-moe fulldepth cal}; do
+for stage in $STAGES; do
   [ "$(left)" -gt 240 ] || { stamp "no time left for $stage"; continue; }
   case "$stage" in
     upstream)  # the drop-in upstream tests on the GPU, with the overlay and raw (a minute)
