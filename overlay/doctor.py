@@ -517,11 +517,15 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
 MOE_LORA_DOC = "docs/upstream/exl3-moe-lora-device.md"
 
 
+def is_exl3_moe(shape: Shape) -> bool:
+    return bool(shape.moe) and shape.quant.get("quant_method") == "exl3"
+
+
 def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: str | None) -> None:
     """EXL3 MoE + --enable-lora: every release 0.20.0-0.24.1 wraps the EXL3 MoE layers in FusedMoEWithLoRA,
     which needs a modular kernel Exl3MoEMethod lacks, and fails at start-up (H200, 0.21.0, run 11) unless
     the overlay's P5 leaves them unwrapped."""
-    if not (enable_lora and shape.moe and shape.quant.get("quant_method") == "exl3"):
+    if not (enable_lora and is_exl3_moe(shape)):
         return
     if p5_status in ("APPLIED", "UPSTREAM_FIXED"):
         report.add(
@@ -560,7 +564,7 @@ def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_statu
     """EXL3 MoE in CUDA graphs (the default compiled mode): every release 0.20.0-0.24.1 leaves out any expert
     that gets more than 128 of a captured batch's tokens (run 13, H200, 0.21.0: 0.185 nats off HF with 16
     requests at once); the overlay's P7 chunks the captured batch. OK in eager mode or where P7 runs."""
-    if not (shape.moe and shape.quant.get("quant_method") == "exl3"):
+    if not is_exl3_moe(shape):
         return
     if enforce_eager:
         report.add("OK", "moe-graphs", "EXL3 MoE with --enforce-eager: no CUDA graphs, every expert is computed")
