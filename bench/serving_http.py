@@ -11,6 +11,13 @@ concurrency N: N streaming completions at once, ``--prompt`` random token ids ea
 throughput (tokens after each request's first over the span from the first first-token to the last
 token), per-request decode speed (mean of (output - 1) / (last token - first token)) and time to first
 token (mean, max). A warm-up request runs first. Results are written after every level.
+
+Two engines measured in one run without a second start-up each on the critical path (issue 18's LoRA
+cost): start both at once, each with ``--ready-file`` (touched once it has answered its warm-up, or has
+failed to start) and ``--wait-for`` (the levels begin only once every named file exists, or after
+``--wait-timeout``), e.g. base waits for the LoRA engine's ready file and the LoRA engine for the base's
+``--done-file``. The engine that is not measuring is idle (its memory static, no requests), and the
+JSON records how long each waited and what it still lacked when the wait ran out.
 """
 
 from __future__ import annotations
@@ -96,7 +103,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--deadline", type=float, default=1e9, help="start no level after this many seconds")
+    p.add_argument("--ready-file", type=Path, help="touched once the warm-up has answered (or the start failed)")
+    p.add_argument("--done-file", type=Path, help="touched when this run ends, whatever the outcome")
+    p.add_argument("--wait-for", type=Path, action="append", default=[], help="levels wait for this file")
+    p.add_argument("--wait-timeout", type=float, default=1200, help="seconds to wait for --wait-for files")
     return p
+
+
+def touch(path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+
+
+def wait_for(paths: list[Path], timeout: float) -> dict:
+    """Until every path exists or the timeout passes: how long it took, and what was still missing."""
+    t0 = time.monotonic()
+    while any(not p.exists() for p in paths) and time.monotonic() - t0 < timeout:
+        time.sleep(2)
+    return {"waited_s": round(time.monotonic() - t0, 1), "missing": [str(p) for p in paths if not p.exists()]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         out.update(ready_s=server.ready_s, **server.startup_figures(), rows=[])
         out["warmup"] = asyncio.run(level(server.url, model, prompts(1, args.prompt, vocab, seed=99), 16))
+        touch(args.ready_file)
+        if args.wait_for:
+            out["gate"] = wait_for(args.wait_for, args.wait_timeout)
+            print(f"serving_http: gate {out['gate']}", flush=True)
         for n in levels:
             if time.monotonic() - t0 > args.deadline:
                 out["stopped_before"] = n
@@ -138,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         args.out.write_text(json.dumps(out, indent=2))
+        touch(args.ready_file)
+        touch(args.done_file)
     return 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run a long job on the GPU machine across several device calls (each call is capped at 10 min;
 # the machine stays held while calls follow each other within 30 s).
-#   bash ci/device-bg.sh start NAME CMD...   copy this tree to /tmp/hxf-src (later calls may refresh
-#                                            the working copy), run CMD there detached (setsid), log
+#   bash ci/device-bg.sh start NAME CMD...   copy this tree to /tmp/hxf-src-NAME (later calls may refresh
+#                                            the working copy; two jobs do not share one), run CMD there
+#                                            detached (setsid), log
 #                                            to /tmp/hxf-bg/NAME.log, exit status to NAME.rc
 #   bash ci/device-bg.sh wait NAME SECONDS [FILE...]
 #                                            wait until NAME ends or SECONDS pass, then put the log's
@@ -14,10 +15,11 @@ mkdir -p "$BG"
 case "${1:-}" in
   start)
     name=$2; shift 2
-    rm -rf /tmp/hxf-src && cp -a . /tmp/hxf-src && cd /tmp/hxf-src || exit 2
+    src=/tmp/hxf-src-$name
+    rm -rf "$src" && cp -a . "$src" && cd "$src" || exit 2
     rm -f "$BG/$name.rc"
     setsid bash -c '"$@" > '"$BG/$name.log"' 2>&1; echo $? > '"$BG/$name.rc" _ "$@" < /dev/null &
-    echo "started $name (pid $!) in /tmp/hxf-src, log $BG/$name.log"
+    echo "started $name (pid $!) in $src, log $BG/$name.log"
     ;;
   wait)
     name=$2 seconds=$3; shift 3

@@ -7,6 +7,13 @@
 #   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order (run 13: "base lora exllamav3",
 #                                                    so that the LoRA cost is a ratio measured in one run first)
 #   HXF_FD_CONCURRENCY="1,2,...,256"                 the levels of every piece (bench/serving_http.py's default)
+#   HXF_FD_PARALLEL=1                                base and lora start at once (each start is ~6-8 min at full
+#                                                    depth: run 13), each pinning its KV pool (HXF_FD_KV_BYTES,
+#                                                    default 24 GiB, with --gpu-memory-utilization 0.3) so that
+#                                                    neither's profiling sees the other; base measures once both
+#                                                    are up and every file in HXF_FD_GATE exists (other work on
+#                                                    the machine, e.g. /tmp/hxf-out/moe.done), lora once base
+#                                                    is done; the idle one only holds its memory. Then exllamav3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE="${HXF_SITE:-/tmp/devsite}" OUT=/tmp/hxf-out/fulldepth MODELS=/tmp/hxf-fd/models
@@ -21,6 +28,28 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   m="$MODELS/$preset"
   [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$preset"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
+  engine_args="--gdn-prefill-backend triton --language-model-only"
+  if [ "${HXF_FD_PARALLEL:-0}" = 1 ]; then
+    pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((24 << 30))}"
+    gates=(); for g in ${HXF_FD_GATE:-}; do gates+=(--wait-for "$g"); done
+    rm -f "$OUT/$preset".{base,lora}.{ready,done}
+    pids=()
+    for kind in base lora; do
+      r="$OUT/$preset-aphrodite-$kind.json"
+      if [ -e "$r" ] && grep -q '"rows"' "$r"; then touch "$OUT/$preset.$kind.ready" "$OUT/$preset.$kind.done"; continue; fi
+      if [ "$kind" = base ]; then
+        wait_args=("${gates[@]}" --wait-for "$OUT/$preset.lora.ready"); adapter=(); port=8300
+      else
+        wait_args=(--wait-for "$OUT/$preset.base.done"); adapter=(--adapter "$m/lora-a"); port=8301
+      fi
+      python3 bench/serving_http.py "$m/exl3" --out "$r" "${adapter[@]}" --port "$port" --deadline "$(left)" \
+        ${HXF_FD_CONCURRENCY:+--concurrency "$HXF_FD_CONCURRENCY"} --engine-args "$engine_args $pin" \
+        --ready-file "$OUT/$preset.$kind.ready" --done-file "$OUT/$preset.$kind.done" "${wait_args[@]}" \
+        > "$OUT/$preset-aphrodite-$kind.stdout" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}" 2>/dev/null
+  fi
   # default base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
   for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
@@ -35,7 +64,7 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
     adapter=(); [ "$kind" = lora ] && adapter=(--adapter "$m/lora-a")
     python3 bench/serving_http.py "$m/exl3" --out "$r" "${adapter[@]}" --deadline "$(left)" \
       ${HXF_FD_CONCURRENCY:+--concurrency "$HXF_FD_CONCURRENCY"} \
-      --engine-args "--gdn-prefill-backend triton --language-model-only"
+      --engine-args "$engine_args"
   done
 done
 tar czf /tmp/hxf-out/fulldepth-results.tgz -C "$OUT" .

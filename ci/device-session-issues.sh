@@ -2,20 +2,24 @@
 # Issues 17, 18 and 19 in one H200 device session (after ../shared/device/stage.sh's calls and its install
 # call, with .cache/wheels/exllamav3-1.6.5-py3-none-any.whl carried), run detached by ci/device-bg.sh so
 # it may outlast one device call. Each stage is resumable; results under /tmp/hxf-out/{moe,fulldepth,cal}.
-#   0. in the background: the checkpoints of stages 2 and 3 (make-tiny's full-depth presets, on the GPU, after
-#      stage 1 when it runs; the 35B-A3B, CPU-heavy, only if HXF_CAL_ONLY names it), and exllamav3's extension
-#      (ci/exllamav3-build.py, 16 min of CPU beside other work in run 12; the gzipped module is left in
-#      /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/) only if it was not carried
+#   0. in the background from the start: the checkpoints of the later stages (make-tiny's full-depth presets and
+#      the 4-layer ones for calibration, on the GPU; the 35B-A3B at full depth, CPU-heavy (738 s in run 11), only
+#      if HXF_CAL_ONLY names it), and exllamav3's extension (ci/exllamav3-build.py, 16 min of CPU beside other
+#      work in run 12; the gzipped module is left in /tmp/hxf-out/ to be brought back as .cache/exllamav3-ext/)
+#      only if it was not carried
 #   upstream: tests/upstream on the GPU, with the overlay and raw (upstream-{overlay,raw}/; raw must fail where
 #      the drop-ins test a bug the release has)
+#   fdstart: ci/device-session-fulldepth.sh in the background with HXF_FD_PARALLEL=1 once its checkpoint is
+#      written: both engines start beside the next stages (correctness only), and measure only once moe has
+#      ended (moe.done) and every file in HXF_FD_GATE_EXTRA exists (e.g. another job's); fdwait waits for it
 #   1. moe: the MoE server suite (tests/gpu/test_moe_server.py, cells HXF_SERVER_CELLS), with py-spy
 #      dumps of every process of a MoE server that has not started, or has started and not answered,
-#      at 240, 330 and 420 s (moe/pyspy.txt)
+#      at 240, 330 and 420 s (moe/pyspy.txt); touches moe.done at the end
 #   2. fulldepth: ci/device-session-fulldepth.sh once its checkpoint is written and any extension build
-#      has ended (it would take the benchmark's CPU)
-#   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left
-#   HXF_STAGES="moe fulldepth cal" (default; add upstream first)  HXF_SESSION_SECONDS (default 1560): no stage
-#      starts after it
+#      has ended (it would take the benchmark's CPU); the engines one after the other, the machine alone
+#   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left, the machine alone
+#   HXF_STAGES="moe fulldepth cal" (default; "upstream fdstart moe fdwait cal" overlaps the full-depth start-ups
+#      with the MoE suite)  HXF_SESSION_SECONDS (default 1560): no stage starts after it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE="${HXF_SITE:-/tmp/devsite}" ROOT=/tmp/hxf-out
@@ -39,17 +43,17 @@ if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
   build=$!
 fi
 mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
-write_checkpoints() {  # in the background; after stage moe when it runs, so that the MoE servers are alone
-  (
-    mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
-    ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
-    mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
-    mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
-  ) 2>&1 | tr '\r' '\n' | grep -v "/s\]$" > "$ROOT/checkpoints.log" &
-  writer=$!
-}
-writer=""
-case " $STAGES " in *" moe "*) ;; *) write_checkpoints ;; esac
+# in the background from the start (run 13 refuted the concurrent writer as a cause of runs 11-12's silent MoE
+# servers: docs/upstream/exl3-moe-shared-expert-stream.md)
+(
+  mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
+  ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
+  mk /tmp/hxf-cal/models/9b --preset qwen3.5-9b-full
+  mk /tmp/hxf-cal/models/27b4 --preset qwen3.6-27b --codebook mcg --device cuda
+  mk /tmp/hxf-cal/models/35b4 --preset qwen3.6-35b-a3b --device cuda
+) 2>&1 | tr '\r' '\n' | grep -v "/s\]$" > "$ROOT/checkpoints.log" &
+writer=$!
+fd=""
 # py-spy (its wheel is carried in .whl/; pip --target does not add a script to an existing bin/)
 [ -x "$SITE/bin/py-spy" ] || unzip -p .whl/py_spy-*.whl 'py_spy-*.data/scripts/py-spy' > "$SITE/bin/py-spy" 2>/dev/null
 chmod +x "$SITE/bin/py-spy" 2>/dev/null
@@ -90,7 +94,19 @@ for stage in $STAGES; do
       stamp "moe: exit $?"
       kill "$watcher" 2>/dev/null
       tail -25 "$ROOT/moe/suite.log"
-      write_checkpoints
+      touch "$ROOT/moe.done"
+      ;;
+    fdstart)
+      [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; build=""; }
+      while [ ! -e /tmp/hxf-fd/models/qwen3.6-27b-full/manifest.json ] && kill -0 "$writer" 2>/dev/null; do sleep 2; done
+      gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "*) gate="$gate $ROOT/moe.done" ;; esac
+      stamp "fdstart (the engines measure once these exist: $gate)"
+      HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh \
+        > "$ROOT/fulldepth.log" 2>&1 &
+      fd=$!
+      ;;
+    fdwait)
+      [ -z "$fd" ] || { wait "$fd"; stamp "fulldepth exit $?"; tail -5 "$ROOT/fulldepth.log"; }
       ;;
     fulldepth)
       [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }

@@ -85,6 +85,46 @@ def test_serving_http_measures_every_level_through_the_server(streaming_aphrodit
     assert result["kv_cache_tokens"] == 4321 and ("--enable-lora" in result["command"]) == with_adapter
 
 
+def test_two_engines_started_at_once_measure_one_after_the_other(streaming_aphrodite):
+    """The full-depth base and LoRA engines start together and take turns (ci/device-session-fulldepth.sh's
+    HXF_FD_PARALLEL): base measures once the LoRA engine is ready, LoRA once base is done."""
+    import threading
+
+    model, adapter, tmp = streaming_aphrodite
+    files = {k: tmp / f"{k}" for k in ("base.ready", "base.done", "lora.ready", "lora.done")}
+    common = [str(model), "--concurrency", "1,2", "--prompt", "8", "--output", "20", "--start-timeout", "60"]
+    runs = {
+        "base": [*common, "--out", str(tmp / "base.json"), "--port", str(free_port())]
+        + ["--ready-file", str(files["base.ready"]), "--done-file", str(files["base.done"])]
+        + ["--wait-for", str(files["lora.ready"])],
+        "lora": [*common, "--out", str(tmp / "lora.json"), "--port", str(free_port()), "--adapter", str(adapter)]
+        + ["--ready-file", str(files["lora.ready"]), "--done-file", str(files["lora.done"])]
+        + ["--wait-for", str(files["base.done"])],
+    }
+    codes = {}
+    threads = [threading.Thread(target=lambda k=k: codes.update({k: serving_http.main(runs[k])})) for k in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert codes == {"base": 0, "lora": 0} and all(f.exists() for f in files.values())
+    base, lora = (json.loads((tmp / f"{k}.json").read_text()) for k in ("base", "lora"))
+    assert base["gate"]["missing"] == [] and lora["gate"]["missing"] == []
+    assert lora["gate"]["waited_s"] > 0  # it waited for base's levels
+    assert [r["completed"] for r in base["rows"]] == [1, 2] == [r["completed"] for r in lora["rows"]]
+
+
+def test_a_gate_that_never_opens_is_recorded_and_the_levels_still_run(streaming_aphrodite):
+    model, _, tmp = streaming_aphrodite
+    never = tmp / "never"
+    argv = [str(model), "--out", str(tmp / "r.json"), "--concurrency", "1", "--prompt", "8", "--output", "10"]
+    argv += ["--port", str(free_port()), "--wait-for", str(never), "--wait-timeout", "1"]
+    assert serving_http.main(argv) == 0
+    result = json.loads((tmp / "r.json").read_text())
+    assert result["gate"]["missing"] == [str(never)] and result["gate"]["waited_s"] >= 1
+    assert result["rows"][0]["completed"] == 1
+
+
 def test_serving_http_refuses_a_folder_without_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         serving_http.main([str(tmp_path), "--out", str(tmp_path / "r.json")])

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 17, deliverable 4: the current release (aphrodite-engine 0.24.x, torch 2.13) on the H200, beside the 0.21.0
+# session. After ci/stage-0.24.sh's stash calls and its install call (/tmp/devsite24: torch/ and site/), run
+# detached by ci/device-bg.sh. Two GPU suites at once, each in its own work folder, Triton cache (0.24 pins
+# triton 3.7.1) and port range (HXF_PORT_OFFSET), at nice 10 so that a 0.21.0 suite started beside it keeps the CPU:
+#   dense/  tests/gpu/test_server.py, HXF_V24_DENSE_CELLS (default compiled-bf16-lora: the user's configuration)
+#   moe/    tests/gpu/test_moe_server.py, HXF_V24_MOE_CELLS (default: compiled with and without LoRA, the expert
+#           adapter's refusal, and the overlay off, which records 0.24's own first error)
+# Results under /tmp/hxf-out/v24/; /tmp/hxf-out/v24.done is touched at the end, whatever happens (other jobs'
+# benchmarks wait for it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=/tmp/hxf-out/v24 SITE=/tmp/devsite24
+mkdir -p "$ROOT"
+trap 'touch /tmp/hxf-out/v24.done' EXIT
+[ -d "$SITE/site/aphrodite" ] || { echo "v24: $SITE/site has no aphrodite: run .devstage-0.24/install/install.sh first"; exit 3; }
+export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH"
+export HXF_SITE="$SITE/site" HXF_EXTRA_PYTHONPATH="$SITE/torch" HXF_PORT_OFFSET=1000
+export TRITON_CACHE_DIR=/tmp/hxf-triton-cache24 HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-600}"
+echo "== $(date -u +%FT%TZ) v24: $(PYTHONPATH=$SITE/site:$SITE/torch python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__, torch.version.cuda)' 2>&1 | tail -1)"
+suite() {  # NAME TEST CELLS
+  OUT="$ROOT/$1" HXF_GPU_WORK="/tmp/hxf-gpu24-$1" HXF_SERVER_CELLS="$3" HXF_PYTEST_TIMEOUT="${HXF_V24_SECONDS:-840}" \
+    nice -n 10 bash ci/gpu.sh "$2" > "$ROOT/$1.log" 2>&1
+  echo "== $(date -u +%FT%TZ) v24 $1: exit $? $(tail -1 "$ROOT/$1.log")"
+}
+suite dense tests/gpu/test_server.py "${HXF_V24_DENSE_CELLS:-compiled-bf16-lora}" &
+suite moe tests/gpu/test_moe_server.py \
+  "${HXF_V24_MOE_CELLS:-moe-compiled-bf16-nolora,moe-compiled-bf16-lora,moe-eager-bf16-lora-experts,moe-lora-unpatched}" &
+wait
