@@ -9,7 +9,7 @@
 #   HXF_FD_CONCURRENCY="1,2,...,256"                 the levels of every piece (bench/serving_http.py's default)
 #   HXF_FD_PARALLEL=1                                base and lora start at once (each start is ~6-8 min at full
 #                                                    depth: run 13), each pinning its KV pool (HXF_FD_KV_BYTES,
-#                                                    default 24 GiB, with --gpu-memory-utilization 0.3) so that
+#                                                    default 16 GiB, with --gpu-memory-utilization 0.3) so that
 #                                                    neither's profiling sees the other; base measures once both
 #                                                    are up and every file in HXF_FD_GATE exists (other work on
 #                                                    the machine, e.g. /tmp/hxf-out/moe.done), lora once base
@@ -22,15 +22,13 @@ mkdir -p "$OUT" "$MODELS"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 left() { echo $((BUDGET - SECONDS)); }
-[ -e "$OUT/bandwidth.json" ] || python3 bench/roofline.py --measure > "$OUT/bandwidth.json"
-cat "$OUT/bandwidth.json"
 for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   m="$MODELS/$preset"
   [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$preset"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
   engine_args="--gdn-prefill-backend triton --language-model-only"
   if [ "${HXF_FD_PARALLEL:-0}" = 1 ]; then
-    pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((24 << 30))}"
+    pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((16 << 30))}"
     gates=(); for g in ${HXF_FD_GATE:-}; do gates+=(--wait-for "$g"); done
     rm -f "$OUT/$preset".{base,lora}.{ready,done}
     pids=()
@@ -50,6 +48,9 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
     done
     wait "${pids[@]}" 2>/dev/null
   fi
+  # the copy bandwidth of the roofline, with nothing else on the GPU (in parallel mode: after both engines)
+  [ -e "$OUT/bandwidth.json" ] || python3 bench/roofline.py --measure > "$OUT/bandwidth.json"
+  cat "$OUT/bandwidth.json"
   # default base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
   for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"

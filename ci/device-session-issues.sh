@@ -43,8 +43,9 @@ if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
   build=$!
 fi
 mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
-# in the background from the start (run 13 refuted the concurrent writer as a cause of runs 11-12's silent MoE
-# servers: docs/upstream/exl3-moe-shared-expert-stream.md)
+# in the background from the start: about 2 min, on the GPU. (Run 12's MoE servers went silent beside a CPU-heavy
+# writer and a 12-job nvcc build, cause not found: docs/upstream/exl3-moe-compiled-graph-capture.md; the CPU-heavy
+# full-depth 35B is written by stage cal only, and nothing is built when the extension is carried.)
 (
   mk /tmp/hxf-fd/models/qwen3.6-27b-full --preset qwen3.6-27b-full
   ln -sfn /tmp/hxf-fd/models/qwen3.6-27b-full /tmp/hxf-cal/models/27b
@@ -101,7 +102,8 @@ for stage in $STAGES; do
       while [ ! -e /tmp/hxf-fd/models/qwen3.6-27b-full/manifest.json ] && kill -0 "$writer" 2>/dev/null; do sleep 2; done
       gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "*) gate="$gate $ROOT/moe.done" ;; esac
       stamp "fdstart (the engines measure once these exist: $gate)"
-      HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh \
+      # at nice 10: while it starts, the MoE servers beside it keep the CPU (nice changes nothing once it is alone)
+      HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) nice -n 10 bash ci/device-session-fulldepth.sh \
         > "$ROOT/fulldepth.log" 2>&1 &
       fd=$!
       ;;
@@ -116,7 +118,7 @@ for stage in $STAGES; do
       ;;
     cal)
       wait "$writer" 2>/dev/null
-      case ",${HXF_CAL_ONLY:-35b}," in *,35b*) mk /tmp/hxf-cal/models/35b --preset qwen3.6-35b-a3b-full --bits 2 2>&1 | tail -1 ;; esac
+      case ",${HXF_CAL_ONLY:-35b-a3b}," in *,35b-a3b*) mk /tmp/hxf-cal/models/35b --preset qwen3.6-35b-a3b-full --bits 2 2>&1 | tail -1 ;; esac
       stamp "memory calibration ${HXF_CAL_ONLY:-all}"
       python3 bench/memory_calibration.py /tmp/hxf-cal/models --out "$ROOT/cal" --deadline "$(($(left) - 30))" \
         ${HXF_CAL_ONLY:+--only "$HXF_CAL_ONLY"}
