@@ -15,9 +15,11 @@ mkdir -p "$ROOT"
 trap 'touch /tmp/hxf-out/v24.done' EXIT
 [ -d "$SITE/site/aphrodite" ] || { echo "v24: $SITE/site has no aphrodite: run .devstage-0.24/install/install.sh first"; exit 3; }
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH"
-export HXF_SITE="$SITE/site" HXF_EXTRA_PYTHONPATH="$SITE/torch" HXF_PORT_OFFSET=1000
+# this project installed once (two ci/gpu.sh installing into one --target at once would race), then HXF_SITE=""
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE/site" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+export PYTHONPATH="$SITE/site:$SITE/torch" HXF_SITE="" HXF_PORT_OFFSET=1000
 export TRITON_CACHE_DIR=/tmp/hxf-triton-cache24 HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-600}"
-echo "== $(date -u +%FT%TZ) v24: $(PYTHONPATH=$SITE/site:$SITE/torch python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__, torch.version.cuda)' 2>&1 | tail -1)"
+echo "== $(date -u +%FT%TZ) v24: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__, torch.version.cuda)' 2>&1 | tail -1)"
 suite() {  # NAME TEST CELLS
   OUT="$ROOT/$1" HXF_GPU_WORK="/tmp/hxf-gpu24-$1" HXF_SERVER_CELLS="$3" HXF_PYTEST_TIMEOUT="${HXF_V24_SECONDS:-840}" \
     nice -n 10 bash ci/gpu.sh "$2" > "$ROOT/$1.log" 2>&1

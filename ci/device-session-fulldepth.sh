@@ -20,7 +20,9 @@ SITE="${HXF_SITE:-/tmp/devsite}" OUT=/tmp/hxf-out/fulldepth MODELS=/tmp/hxf-fd/m
 BUDGET="${HXF_FD_SECONDS:-1500}"
 mkdir -p "$OUT" "$MODELS"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+# HXF_FD_NO_INSTALL=1: the caller has installed this project (ci/device-session-issues.sh: reinstalling it while
+# another stage imports it would race)
+[ -n "${HXF_FD_NO_INSTALL:-}" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 left() { echo $((BUDGET - SECONDS)); }
 for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   m="$MODELS/$preset"

@@ -103,7 +103,7 @@ for stage in $STAGES; do
       gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "*) gate="$gate $ROOT/moe.done" ;; esac
       stamp "fdstart (the engines measure once these exist: $gate)"
       # at nice 10: while it starts, the MoE servers beside it keep the CPU (nice changes nothing once it is alone)
-      HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) nice -n 10 bash ci/device-session-fulldepth.sh \
+      HXF_FD_NO_INSTALL=1 HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) nice -n 10 bash ci/device-session-fulldepth.sh \
         > "$ROOT/fulldepth.log" 2>&1 &
       fd=$!
       ;;
@@ -114,7 +114,7 @@ for stage in $STAGES; do
       [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
       wait "$writer" 2>/dev/null; cat "$ROOT/checkpoints.log"  # the 35B is written by stage cal, not here
       stamp "fulldepth"
-      HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh
+      HXF_FD_NO_INSTALL=1 HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh
       ;;
     cal)
       wait "$writer" 2>/dev/null

@@ -14,7 +14,7 @@ export HXF_GPU_WORK="${HXF_GPU_WORK:-/tmp/hxf-gpu}" HXF_GPU_RESULTS="$OUT/gpu-re
 rm -rf "$HXF_GPU_WORK"; mkdir -p "$HXF_GPU_WORK"  # checkpoints are rebuilt by the code under test
 if [ -n "$SITE" ]; then
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
-  export PYTHONPATH="$SITE${HXF_EXTRA_PYTHONPATH:+:$HXF_EXTRA_PYTHONPATH}"  # e.g. 0.24's own torch folder
+  export PYTHONPATH="$SITE"
 fi
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
