@@ -9,7 +9,8 @@
 #   HXF_FD_CONCURRENCY="1,2,...,256"                 the levels of every piece (bench/serving_http.py's default)
 #   HXF_FD_PARALLEL=1                                base and lora start at once (each start is ~6-8 min at full
 #                                                    depth: run 13), each pinning its KV pool (HXF_FD_KV_BYTES,
-#                                                    default 16 GiB, with --gpu-memory-utilization 0.3) so that
+#                                                    default 28 GiB, with --gpu-memory-utilization 0.3: run 14's 16 GiB held 655 Mamba
+#                                                    blocks, under the default --max-num-seqs 1024) so that
 #                                                    neither's profiling sees the other; base measures once both
 #                                                    are up and every file in HXF_FD_GATE exists (other work on
 #                                                    the machine, e.g. /tmp/hxf-out/moe.done), lora once base
@@ -30,7 +31,7 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
   engine_args="--gdn-prefill-backend triton --language-model-only"
   if [ "${HXF_FD_PARALLEL:-0}" = 1 ]; then
-    pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((16 << 30))}"
+    pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((28 << 30))}"
     gates=(); for g in ${HXF_FD_GATE:-}; do gates+=(--wait-for "$g"); done
     rm -f "$OUT/$preset".{base,lora}.{ready,done}
     pids=()

@@ -100,12 +100,16 @@ for stage in $STAGES; do
     fdstart)
       [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; build=""; }
       while [ ! -e /tmp/hxf-fd/models/qwen3.6-27b-full/manifest.json ] && kill -0 "$writer" 2>/dev/null; do sleep 2; done
-      gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "*) gate="$gate $ROOT/moe.done" ;; esac
+      gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "* | *" moewait "*) gate="$gate $ROOT/moe.done" ;; esac
       stamp "fdstart (the engines measure once these exist: $gate)"
       # at nice 10: while it starts, the MoE servers beside it keep the CPU (nice changes nothing once it is alone)
       HXF_FD_NO_INSTALL=1 HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) nice -n 10 bash ci/device-session-fulldepth.sh \
         > "$ROOT/fulldepth.log" 2>&1 &
       fd=$!
+      ;;
+    moewait)  # a MoE suite started by an earlier session job (one replaced mid-run): until it ends, then moe.done
+      while pgrep -f "test_moe_server[.]py" > /dev/null; do sleep 5; done
+      touch "$ROOT/moe.done"; stamp "moe suite ended"
       ;;
     fdwait)
       [ -z "$fd" ] || { wait "$fd"; stamp "fulldepth exit $?"; tail -5 "$ROOT/fulldepth.log"; }
