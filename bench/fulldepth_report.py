@@ -1,7 +1,7 @@
 """Issue 18's table: Aphrodite (the server, with and without an adapter) against exllamav3's generator and
 the memory roofline, per preset and concurrency, from one run's results (ci/device-session-fulldepth.sh).
 
-    python3 bench/fulldepth_report.py RESULTS_DIR --out bench/results [--title "..."]
+    python3 bench/fulldepth_report.py RESULTS_DIR --out bench/results [--title "..."] [--fallback OTHER_RUN_DIR]
 
 Writes ``fulldepth.csv``, ``fulldepth.md`` and ``fulldepth_<preset>.png``. Ratios are taken within the
 run: Aphrodite / exllamav3 (decode throughput: tokens after each request's first over the decode span; and
@@ -9,6 +9,10 @@ end to end: N x output / wall, prefill included), Aphrodite / roofline (per-requ
 throughput above), and the adapter's cost (1 - with / without, decode throughput). The goals of issue
 18 are reported, never asserted: at N = 1 at least exllamav3's speed and 50 % of the roofline; at N = 32
 at least 5x exllamav3's throughput; the adapter's cost under 10 % at N = 1 and N = 32.
+
+``--fallback DIR``: a file RESULTS_DIR lacks (the model's inputs table, exllamav3's results) is read from
+another run's folder instead; the report names every such file, and a ratio built on one is a ratio
+across runs (run 14: exllamav3 ran beside other engines' start-ups, so its rows were set aside).
 """
 
 from __future__ import annotations
@@ -34,20 +38,30 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
-def table(results: Path, preset: str) -> list[dict]:
+def find(results: Path, name: str, fallback: Path | None, borrowed: list[str]) -> Path:
+    """RESULTS/name, else FALLBACK/name (recorded in ``borrowed``)."""
+    if not (results / name).exists() and fallback is not None and (fallback / name).exists():
+        borrowed.append(str(fallback / name))
+        return fallback / name
+    return results / name
+
+
+def table(results: Path, preset: str, fallback: Path | None = None, borrowed: list | None = None) -> list[dict]:
     import roofline
 
     from hybrid_exl3_fixes.doctor import parse_config
 
+    borrowed = [] if borrowed is None else borrowed
     base = rows_by_n(results / f"{preset}-aphrodite-base.json")
     lora = rows_by_n(results / f"{preset}-aphrodite-lora.json")
-    exl = rows_by_n(results / f"{preset}-exllamav3.json")
+    exl_path = find(results, f"{preset}-exllamav3.json", fallback, borrowed)
+    exl = rows_by_n(exl_path)
     bandwidth = json.loads((results / "bandwidth.json").read_text())["copy_bandwidth_gbps"]
-    inputs = json.loads((results / f"inputs-{preset}-exl3.json").read_text())
+    inputs = json.loads(find(results, f"inputs-{preset}-exl3.json", fallback, borrowed).read_text())
     shape = parse_config(inputs["config.json"])[0]
     prompt, output = 512, 256
-    if (results / f"{preset}-exllamav3.json").exists():
-        meta = json.loads((results / f"{preset}-exllamav3.json").read_text())
+    if exl_path.exists():
+        meta = json.loads(exl_path.read_text())
         prompt, output = meta.get("prompt", prompt), meta.get("output", output)
     levels = sorted(set(base) | set(lora) | set(exl))
     roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, levels, prompt, output)}
@@ -108,17 +122,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", type=Path)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--title", default="")
+    p.add_argument("--fallback", type=Path, help="another run's result folder for the files this one lacks")
     args = p.parse_args(argv)
-    if not (args.results / "bandwidth.json").exists():
-        p.error(f"{args.results} holds no bandwidth.json (not a ci/device-session-fulldepth.sh result folder)")
-    presets = sorted(f.name[len("inputs-") : -len("-exl3.json")] for f in args.results.glob("inputs-*-exl3.json"))
+    for folder in (args.results, args.fallback):
+        if folder is not None and not (folder / "bandwidth.json").exists():
+            p.error(f"{folder} holds no bandwidth.json (not a ci/device-session-fulldepth.sh result folder)")
+    named = {f.name for f in args.results.glob("*-aphrodite-*.json")} | {f.name for f in args.results.glob("inputs-*")}
+    presets = sorted(
+        {n[len("inputs-") : -len("-exl3.json")] for n in named if n.startswith("inputs-")}
+        | {n.split("-aphrodite-")[0] for n in named if "-aphrodite-" in n}
+    )
     all_rows, md = [], [f"# Full-depth serving (issue 18){': ' + args.title if args.title else ''}", ""]
     for preset in presets:
-        rows = table(args.results, preset)
+        borrowed: list[str] = []
+        try:
+            rows = table(args.results, preset, args.fallback, borrowed)
+        except FileNotFoundError as exc:
+            p.error(f"{preset}: {exc.filename} is missing (--fallback names a run that has it)")
         all_rows += rows
         md += [
             f"## {preset}",
             "",
+            *(
+                [f"From another run (ratios on them are across runs): {', '.join(f'`{b}`' for b in borrowed)}", ""]
+                if borrowed
+                else []
+            ),
             "| N | " + " | ".join(k for k in rows[0] if k not in ("preset", "concurrency")) + " |",
         ]
         md += ["|---|" + "---|" * (len(rows[0]) - 2)]

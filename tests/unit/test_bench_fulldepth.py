@@ -223,6 +223,35 @@ def test_fulldepth_report_ratios_and_goals(tmp_path):
     assert got[1]["aphrodite_over_roofline"] == round(60 / got[1]["roofline_tok_s"], 3)
 
 
+def test_fulldepth_report_takes_what_a_run_lacks_from_another_and_names_it(tmp_path, capsys):
+    """Run 14's layout: this run's base and LoRA engines, another run's inputs table and exllamav3 rows."""
+    import fulldepth_report
+
+    this, other = tmp_path / "this", tmp_path / "other"
+    for folder in (this, other):
+        folder.mkdir()
+        (folder / "bandwidth.json").write_text(json.dumps({"copy_bandwidth_gbps": 4000.0}))
+    inputs = ROOT / "docs" / "gpu-runs" / "2026-12-01-run11" / "cal" / "inputs-9b-exl3.json"
+    (other / "inputs-qwen3.5-9b-full-exl3.json").write_text(inputs.read_text())
+    for folder, name, decode in (
+        (this, "aphrodite-base", 100.0),
+        (this, "aphrodite-lora", 80.0),
+        (other, "exllamav3", 50.0),
+    ):
+        (folder / f"qwen3.5-9b-full-{name}.json").write_text(
+            json.dumps({"rows": [{"concurrency": 32, "decode_tok_s": decode, "throughput_tok_s": decode}]})
+        )
+    assert fulldepth_report.main([str(this), "--out", str(tmp_path / "out"), "--fallback", str(other)]) == 0
+    table = (tmp_path / "out" / "fulldepth.md").read_text()
+    assert f"From another run (ratios on them are across runs): `{other / 'qwen3.5-9b-full-exllamav3.json'}`" in table
+    assert "N = 32, Aphrodite / exllamav3 decode throughput >= 5: 2.0 (not met)" in table
+    assert "N = 32, adapter cost < 10 %: 0.2 (not met)" in table
+    # without the fallback there is no inputs table to compute the roofline from: a message, no traceback
+    with pytest.raises(SystemExit) as exit_info:
+        fulldepth_report.main([str(this), "--out", str(tmp_path / "out2")])
+    assert exit_info.value.code == 2 and "inputs-qwen3.5-9b-full-exl3.json is missing" in capsys.readouterr().err
+
+
 def test_fulldepth_report_refuses_a_folder_that_is_not_a_result(tmp_path, capsys):
     import fulldepth_report
 
