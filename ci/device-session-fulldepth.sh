@@ -50,6 +50,15 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
       pids+=($!)
     done
     wait "${pids[@]}" 2>/dev/null
+    # whatever happened above, nothing below (bandwidth, exllamav3, an engine started alone) runs before the gate:
+    # run 14's parallel engines failed at start-up, and the script went on beside the MoE suite
+    for g in ${HXF_FD_GATE:-}; do
+      for _ in $(seq 600); do [ -e "$g" ] && break; sleep 2; done
+    done
+    for kind in base lora; do
+      grep -q '"rows"' "$OUT/$preset-aphrodite-$kind.json" 2>/dev/null \
+        || echo "fulldepth: the $kind engine did not measure (see $OUT/$preset-aphrodite-$kind.stdout); not retried alone"
+    done
   fi
   # the copy bandwidth of the roofline, with nothing else on the GPU (in parallel mode: after both engines)
   [ -e "$OUT/bandwidth.json" ] || python3 bench/roofline.py --measure > "$OUT/bandwidth.json"
@@ -58,6 +67,7 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
     [ -e "$r" ] && grep -q '"rows"' "$r" && continue
+    [ "${HXF_FD_PARALLEL:-0}" = 1 ] && [ "$kind" != exllamav3 ] && continue  # measured above, or reported failed
     [ "$(left)" -gt 120 ] || break 2
     if [ "$kind" = exllamav3 ]; then
       ( source ci/exllamav3-env.sh && python3 bench/exllamav3_generator.py "$m/exl3" --out "$r" --deadline "$(left)" \
