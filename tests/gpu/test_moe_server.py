@@ -65,8 +65,8 @@ def aphrodite_minor() -> tuple[int, int]:
 
 
 # name: LoRA?, adapters given at start-up, extra args, extra env, what the cell must do (serve; wrong: serve,
-# right alone and wrong at once; refuse; or the text of the upstream error it must stop with, any one of the
-# alternatives)
+# right alone and wrong at once; stall: serve right, or a request never answers (an expected failure); refuse;
+# or the text of the upstream error it must stop with, any one of the alternatives)
 CELLS = {
     # eager twins first (the cells are tested in this order while all start at once): run 11's and run 12's
     # compiled MoE servers did not finish starting (docs/upstream/exl3-moe-compiled-graph-capture.md); the
@@ -80,10 +80,11 @@ CELLS = {
         "serve",
     ),
     "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
-    # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens). Run 13
-    # refuted it as the cause of runs 11-12's silence (this cell answered at once); served against HF + PEFT,
-    # it tells whether the overlap of EXL3 kernels sharing one lock array changes the numbers
-    "moe-eager-bf16-nolora-noP6": (False, (), ["--enforce-eager"], {"HYBRID_EXL3_FIXES_DISABLE": "P6"}, "serve"),
+    # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens). Runs 12 and
+    # 14: the first completion never answered (run 14: 528 s, the server healthy, P6-on servers beside it right);
+    # run 13: a 4-token completion answered at once. So the stall is intermittent: "stall" records it as an
+    # expected failure when it comes, and fails the cell only on numbers off HF + PEFT when it answers
+    "moe-eager-bf16-nolora-noP6": (False, (), ["--enforce-eager"], {"HYBRID_EXL3_FIXES_DISABLE": "P6"}, "stall"),
     "moe-compiled-bf16-nolora": (False, (), [], {}, "serve"),
     # P7 off: CUDA graphs drop an expert with more than 128 of a batch's tokens (run 13: one request alone
     # 0.0025, 16 at once 0.185); the control must be right alone and wrong with requests at once
@@ -213,7 +214,7 @@ def test_moe_cell(cell, moe_fleet, references, record):
         "overlay": sorted(set(server.overlay_lines())),
         **server.startup_figures(),
     }
-    if expect not in ("serve", "wrong"):
+    if expect not in ("serve", "wrong", "stall"):
         text = server.text()
         info["root_error"] = server.root_error()[:600]
         server.stop()
@@ -234,9 +235,22 @@ def test_moe_cell(cell, moe_fleet, references, record):
     assert models == {SERVED, *adapters}, models
     if lora:
         info["lora_layers_left_unwrapped"] = server.text().count("could not be wrapped by any LoRA layer")
-    failed = alone_and_mixed(
-        server, references(checkpoint_of(cell)), [None, *adapters], SERVED, info, lambda: record(f"moe {cell}", **info)
-    )
+    try:
+        failed = alone_and_mixed(
+            server,
+            references(checkpoint_of(cell)),
+            [None, *adapters],
+            SERVED,
+            info,
+            lambda: record(f"moe {cell}", **info),
+        )
+    except Exception as exc:  # openai.APITimeoutError where a request never answers
+        if expect != "stall" or "Timeout" not in type(exc).__name__:
+            raise
+        info["stalled"] = f"{type(exc).__name__} after the requests listed before it: {exc}"[:300]
+        record(f"moe {cell}", **info)
+        server.stop()
+        pytest.xfail(f"{cell}: a request never answered without P6 ({type(exc).__name__})")
     assert not failed, failed[:3]
     # no closer than HF's own bfloat16 run can be (SPREAD_FACTOR of it), and never looser than TOLERANCE
     spread = references(checkpoint_of(cell)).bf16_spread([*prompts(3, 1), *prompts(16, 2)])
