@@ -5,11 +5,18 @@
 #
 # Why it differs: 0.22.0 and later pin torch 2.13.0 and triton 3.7.1, and the GPU image has torch
 # 2.11.0+cu130. So the payload carries torch 2.13.0 and triton 3.7.1 too, installed into their own
-# folder in front of the image's site-packages. It does NOT carry the CUDA libraries torch 2.13 pins
-# (cuda-toolkit 13.0.3, cudnn 9.20, nccl 2.29.7, nvshmem 3.4.5, cusparselt 0.8.1: several GB); it
-# relies on the image's own cu13 builds of the same libraries (the image carries nvidia-cudnn-cu13,
-# -nccl-cu13, -nvshmem-cu13, -cusparselt-cu13 and cuda-toolkit for its torch 2.11). Whether torch 2.13
-# loads against them is the first thing the install call checks (`import torch; torch.cuda.init()`).
+# folder in front of the image's site-packages, and what run 14 (2026-12-01, on the H200) found torch 2.13 and
+# aphrodite 0.24.1 cannot take from the image:
+#   - NCCL: the image has nvidia-nccl-cu13 2.28.9; torch 2.13's libtorch_cuda.so needs ncclCommResume
+#     ("undefined symbol: ncclCommResume" at `import torch`): nvidia-nccl-cu13 2.29.7 (its pin, 206 MB) is carried
+#     into the torch folder, where torch's loader finds it before the image's
+#   - torchvision: the image's 0.26 (for torch 2.11) makes aphrodite's import fail ("operator torchvision::nms
+#     does not exist"): torchvision 0.28.0 (aphrodite 0.24.1's pin, 8 MB) is carried
+# It does NOT carry the other CUDA libraries torch 2.13 pins, and relies on the image's: cuda-toolkit 13.0.2
+# (pin 13.0.3), nvshmem 3.4.5 (= pin), cusparselt 0.8.0 (pin 0.8.1) load; cuDNN 9.19 (pin 9.20, about 700 MB)
+# makes torch raise at the first cuDNN use ("cuDNN version incompatibility"), which the text path has not
+# needed so far. The install call checks `import torch; torch.cuda.init()`, a CUDA op, torchvision's nms
+# and aphrodite's compiled kernels (0.22+: aphrodite._C_stable_libtorch; there is no aphrodite._C).
 #
 # Usage (from the project root):  bash ci/stage-0.24.sh [0.24.1] [--dry-run]
 #   --dry-run: download and split, print the sizes and the number of calls, remove nothing.
@@ -24,10 +31,12 @@ PART_BYTES=$((52 * 1024 * 1024))
 grep -qxF '/.devstage-0.24/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.devstage-0.24/' >> "$ROOT/.git/info/exclude"
 mkdir -p "$CACHE"
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
-for n in 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
+for n in 17 18 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # The runtime: aphrodite itself, the torch and triton it pins, flashinfer at its pin.
 CORE=("aphrodite-engine==$VER" torch==2.13.0 triton==3.7.1 flashinfer-python==0.6.18 apache-tvm-ffi==0.1.11)
+# installed beside torch (see above; run 14)
+TORCH_SIDE=(nvidia-nccl-cu13==2.29.7 torchvision==0.28.0)
 # What 0.24.x imports on the way to serving (its METADATA's pins) that the image lacks or has in an
 # older version; plus the server's extras, as stage.sh ships them for 0.21.
 DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0' 'depyf==0.20.0' dill diskcache
@@ -41,11 +50,13 @@ DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0'
       uvicorn httptools websockets python-multipart email-validator dnspython pydantic-extra-types)
 echo "== downloading into $CACHE (cached between runs)"
 [ -f "$CACHE/.core-ok" ] || { pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/core" "${CORE[@]}" && touch "$CACHE/.core-ok"; }
+[ -f "$CACHE/.side-ok" ] || { pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/side" "${TORCH_SIDE[@]}" && touch "$CACHE/.side-ok"; } \
+  || { echo "stage-0.24: could not download ${TORCH_SIDE[*]}"; exit 1; }
 [ -f "$CACHE/.deps-ok" ] || { pip download -q --no-deps "${PLAT[@]}" --platform any -d "$CACHE/deps" "${DEPS[@]}" 2>/dev/null \
   || pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/deps" "${DEPS[@]}"; touch "$CACHE/.deps-ok"; }
-du -sh "$CACHE/core" "$CACHE/deps"
+du -sh "$CACHE/core" "$CACHE/side" "$CACHE/deps"
 TMP=$(mktemp -d)
-tar cf "$TMP/payload.tar" -C "$CACHE" core deps  # the wheels are compressed already
+tar cf "$TMP/payload.tar" -C "$CACHE" core side deps  # the wheels are compressed already
 rm -rf "$OUTD"; mkdir -p "$OUTD"
 split -b "$PART_BYTES" -d -a 2 "$TMP/payload.tar" "$TMP/part"
 n=0
@@ -64,15 +75,15 @@ have=\$(ls /tmp/devstage24/part* 2>/dev/null | wc -l)
 rm -rf /tmp/devsite24 /tmp/devpayload24; mkdir -p /tmp/devsite24/torch /tmp/devsite24/site /tmp/devpayload24
 cat \$(ls /tmp/devstage24/part* | sort) | tar xf - -C /tmp/devpayload24
 pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "\$@"; }
-pip --target /tmp/devsite24/torch /tmp/devpayload24/core/torch-*.whl /tmp/devpayload24/core/triton-*.whl
-PYTHONPATH=/tmp/devsite24/torch python3 -c "import torch; torch.cuda.init(); print('devstage24: torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
+pip --target /tmp/devsite24/torch /tmp/devpayload24/core/torch-*.whl /tmp/devpayload24/core/triton-*.whl /tmp/devpayload24/side/*.whl
+PYTHONPATH=/tmp/devsite24/torch python3 -c "import torch, torchvision; torch.cuda.init(); x = torch.ones(4, device='cuda'); torch.ops.torchvision.nms; print('devstage24: torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'sum', float(x.sum()), 'nccl', torch.cuda.nccl.version(), 'torchvision', torchvision.__version__)"
 pip --target /tmp/devsite24/site \$(ls /tmp/devpayload24/core/*.whl | grep -v -e /torch- -e /triton-) /tmp/devpayload24/deps/*.whl
 rm -rf /tmp/devpayload24 /tmp/devstage24
 mkdir -p /tmp/devsite24/bin
 printf '#!/usr/bin/env python3\\nimport sys\\nfrom aphrodite.entrypoints.cli.main import main\\nif __name__ == "__main__":\\n    sys.exit(main())\\n' > /tmp/devsite24/bin/aphrodite
 chmod +x /tmp/devsite24/bin/aphrodite
 export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site
-python3 -c "import aphrodite, torch; print('devstage24: aphrodite', aphrodite.__version__, 'torch', torch.__version__)"
+python3 -c "import aphrodite, torch, aphrodite._C_stable_libtorch; print('devstage24: aphrodite', aphrodite.__version__, 'torch', torch.__version__, '(kernels load)')"
 echo "devstage24: ready. Later calls: export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site PATH=/tmp/devsite24/bin:\\\$PATH APHRODITE_NO_USAGE_STATS=1"
 SH
 chmod +x "$OUTD"/*/*.sh

@@ -823,6 +823,10 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             "max_concurrency": cap["max_concurrency"],
             "max_concurrency_at_context": min(int(cap["max_concurrency"]), eng.max_num_seqs),
             "pin_kv_cache_memory": engine["pin_kv_cache_memory"],
+            # the smallest --kv-cache-memory whose blocks cover --max-num-seqs (CUDA graphs: see the check below)
+            "min_kv_cache_memory_for_graphs": eng.max_num_seqs
+            * engine["layout"]["page_bytes"]
+            * engine["layout"]["group_size"],
             "replicas": max(1, gpus // eng.tp),
             "pool_formula": "requested - " + " - ".join(k for k in engine["terms"] if k != "requested"),
             "concurrency_formula": cap["formula"],
@@ -842,6 +846,19 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             "memory",
             f"not one sequence of {context:,} tokens fits in the KV pool of {pool / GIB:.2f} GiB: the engine "
             "refuses to start; lower --max-model-len",
+        )
+    elif not eng.eager and cap["blocks"] < eng.max_num_seqs:
+        # config/compilation.py (0.21.0, from vLLM #34094): with FULL decode graphs every decode sequence needs
+        # one Mamba cache block, checked after the profiling run. Run 14 (H200, the 27B at full depth, pool pinned
+        # at 16 GiB): "max_num_seqs (1024) exceeds available Mamba cache blocks (655)", the plan's 655 exactly
+        report.add(
+            "BLOCK",
+            "memory",
+            f"the KV pool of {pool / GIB:.2f} GiB holds {cap['blocks']:,} cache blocks and --max-num-seqs is "
+            f"{eng.max_num_seqs:,}: with CUDA graphs each decode sequence needs one Mamba cache block, so the "
+            f'engine stops after its profiling run ("max_num_seqs ({eng.max_num_seqs}) exceeds available Mamba '
+            f'cache blocks ({cap["blocks"]})"); pass --max-num-seqs {cap["blocks"]} or less, give it more memory, '
+            "or use --enforce-eager",
         )
     else:
         report.add(
@@ -887,6 +904,12 @@ def render(report: Report) -> str:
                 f"  pin after a start   --kv-cache-memory {p['pin_kv_cache_memory']:,} (this plan's pool less the "
                 "engine's 150 MiB margin; prefer the figure the engine logs)"
             )
+            if not p["engine"]["enforce_eager"]:
+                lines.append(
+                    f"  pin at least        --kv-cache-memory {p['min_kv_cache_memory_for_graphs']:,} with CUDA graphs "
+                    f"(one Mamba cache block per sequence: {p['engine']['max_num_seqs']:,} x "
+                    f"{p['layout']['page_bytes']:,} B x {p['layout']['group_size']})"
+                )
     lines.append({0: "result: ok", 1: "result: warnings", 2: "result: blocking problems"}[report.exit_code])
     return "\n".join(lines)
 

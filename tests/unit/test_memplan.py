@@ -90,3 +90,44 @@ def test_limit_mm_per_prompt_zero_is_text_only_and_bad_json_is_a_usage_error(tmp
     with pytest.raises(SystemExit) as exit_info:
         main([*base, "--limit-mm-per-prompt", "[1]"])
     assert exit_info.value.code == 2 and "not a JSON object of modality -> count" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_mamba_blocks_the_engine_refused_with():
+    """Run 14: the 27B at full depth with its pool pinned at 16 GiB stopped with "max_num_seqs (1024) exceeds
+    available Mamba cache blocks (655)" (docs/gpu-runs/2026-12-01-run14/fulldepth/try1-contended/); at 28 GiB it
+    served (its layout row above)."""
+    from hybrid_exl3_fixes import memplan
+
+    inputs = json.loads(
+        (ROOT / "docs/gpu-runs/2026-12-01-run12/fulldepth/inputs-qwen3.6-27b-full-exl3.json").read_text()
+    )
+    eng = memplan.Engine(139.8, max_model_len=832, language_model_only=True)
+    layout = memplan.kv_layout(report.shape_of(inputs["config.json"]), eng)
+    logged = ROOT / "docs/gpu-runs/2026-12-01-run14/fulldepth/try1-contended/qwen3.6-27b-full-aphrodite-base.stdout"
+    assert "exceeds available Mamba cache blocks (655)" in logged.read_text()
+    assert memplan.kv_capacity(layout, 16 << 30, 832)["blocks"] == 655 < eng.max_num_seqs
+
+
+def test_doctor_blocks_a_pool_with_fewer_cache_blocks_than_sequences_under_cuda_graphs(tmp_path, capsys):
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--language-model-only", "--gpu-mem", "24"]
+
+    def findings(*extra):
+        main([*base, *extra])
+        out = json.loads(capsys.readouterr().out)
+        return [f for f in out["findings"] if f["check"] == "memory"], out["plan"]
+
+    (ok,), plan = findings()
+    assert ok["level"] == "OK" and plan["capacity"]["blocks"] >= plan["engine"]["max_num_seqs"]
+    too_many = plan["capacity"]["blocks"] + 1
+    (blocked,), plan = findings("--max-num-seqs", str(too_many))
+    assert (
+        blocked["level"] == "BLOCK" and f"max_num_seqs ({too_many}) exceeds available Mamba cache" in blocked["message"]
+    )
+    assert f"--max-num-seqs {plan['capacity']['blocks']} or less" in blocked["message"]
+    assert plan["min_kv_cache_memory_for_graphs"] > plan["kv_pool_bytes"]
+    (eager,), _ = findings("--max-num-seqs", str(too_many), "--enforce-eager")  # no graphs, no such check
+    assert eager["level"] == "OK"
