@@ -13,7 +13,9 @@ recomputed on a machine without the checkpoints (bench/memory_plan_report.py). R
 configuration with a result is skipped.
 
 The GPU is an H200 (about 140 GiB). A 24 GB or 32 GB consumer card is emulated with
-``--gpu-memory-utilization`` such that the engine requests what it would request there (total x 0.9),
+``--gpu-memory-utilization`` such that the engine requests what it would request there (total x 0.92, aphrodite's
+default utilization; runs 11 and 14 emulated total x 0.9, vLLM's, and bench/memory_plan_report.py plans those
+rows at 0.9),
 plus the batch defaults aphrodite picks for a GPU under 70 GiB (--max-num-batched-tokens 2048,
 --max-num-seqs 256; engine/arg_utils.py get_batch_defaults). Terms that depend on the GPU itself
 (CUDA context, cuBLAS workspace, graph pool granularity) are what they are on the H200: the report
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from server import STARTUP_FIGURES, Server  # noqa: E402
 
 GIB = 1 << 30
+DEFAULT_UTILIZATION = 0.92  # aphrodite 0.20.0 - 0.24.1, config/cache.py (vLLM's is 0.9)
 CONSUMER_BATCH = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"]
 COMMON = ["--max-model-len", "32768", "--gdn-prefill-backend", "triton", "--seed", "0"]
 TEXT = ["--language-model-only"]
@@ -47,9 +50,9 @@ def gpu_total_gib() -> float:
 
 
 def consumer_card(card_gib: float, total_gib: float) -> list[str]:
-    """--gpu-memory-utilization that requests card_gib x 0.9 of this GPU (aphrodite requests total x util,
+    """--gpu-memory-utilization that requests card_gib x 0.92 of this GPU (aphrodite requests total x util,
     v1/worker/utils.py request_memory), and the batch defaults of a GPU under 70 GiB."""
-    return ["--gpu-memory-utilization", f"{card_gib * 0.9 / total_gib:.4f}", *CONSUMER_BATCH]
+    return ["--gpu-memory-utilization", f"{card_gib * DEFAULT_UTILIZATION / total_gib:.4f}", *CONSUMER_BATCH]
 
 
 def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:

@@ -92,7 +92,7 @@ def rows() -> list[dict]:
             f"{name} (aphrodite run, compiled, 24 GB card emulated)",
             run11 / "cal" / f"{name}.log",
             run11 / "cal" / "inputs-9b-exl3.json",
-            Engine(24, max_model_len=32768, language_model_only=True, lora=lora, max_loras=4),
+            Engine(24, utilization=0.9, max_model_len=32768, language_model_only=True, lora=lora, max_loras=4),
         )
         for name, lora in (("9b-24g", False), ("9b-24g-lora", True))
     ]
@@ -146,7 +146,7 @@ def rows() -> list[dict]:
             "9b-24g-eager-fp8kv (aphrodite run, eager, fp8 KV, 24 GB card emulated)",
             run14 / "cal" / "9b-24g-eager-fp8kv.log",
             run11 / "cal" / "inputs-9b-exl3.json",
-            Engine(24, max_model_len=32768, language_model_only=True, eager=True, kv_dtype="fp8"),
+            Engine(24, utilization=0.9, max_model_len=32768, language_model_only=True, eager=True, kv_dtype="fp8"),
         )
     )
     pinned = [

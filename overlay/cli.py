@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the engine's --kv-cache-dtype (auto: the activations' dtype; the fp8 kinds take 1 byte)",
     )
-    doctor.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    doctor.add_argument(
+        "--gpu-memory-utilization", type=fraction, default=0.92, help="default: aphrodite's (0.92; vLLM's is 0.9)"
+    )
     doctor.add_argument(
         "--language-model-only", action="store_true", help="text only: no processor files, no image budget"
     )

@@ -701,7 +701,7 @@ def diagnose(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     kv_dtype: str = "auto",
-    utilization: float = 0.9,
+    utilization: float = 0.92,
     language_model_only: bool = False,
     check_overlay: bool = True,
     enable_lora: bool = False,

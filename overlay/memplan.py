@@ -5,7 +5,9 @@ arithmetic, restated; exact up to rounding), ``measured`` (a constant taken from
 docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the term says) or
 ``bound`` (not derived; a range). Sources, all in aphrodite-engine 0.21.0:
 
-- requested memory = ceil(total x --gpu-memory-utilization) (v1/worker/utils.py request_memory);
+- requested memory = ceil(total x --gpu-memory-utilization) (v1/worker/utils.py request_memory); the
+  utilization's default is 0.92 in aphrodite 0.20.0 - 0.24.1 (config/cache.py CacheConfig; vLLM's is 0.9:
+  this plan assumed 0.9 until run 14's log said "desired GPU memory utilization (0.92, ...)");
   available KV = requested - (weights + torch peak + non-torch increase) - CUDA graph estimate
   (v1/worker/gpu_worker.py determine_available_memory; the estimate is subtracted by default since
   0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1).
@@ -56,7 +58,7 @@ class Engine:
 
     gpu_gib: float
     tp: int = 1
-    utilization: float = 0.9
+    utilization: float = 0.92  # aphrodite's default (config/cache.py), not vLLM's 0.9
     max_model_len: int = 4096
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
