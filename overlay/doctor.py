@@ -558,6 +558,7 @@ def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: s
 
 
 MOE_GRAPH_DOC = "docs/upstream/exl3-moe-graph-expert-capacity.md"
+MOE_STREAM_DOC = "docs/upstream/exl3-moe-shared-expert-stream.md"
 
 
 def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_status: str | None) -> None:
@@ -592,6 +593,36 @@ def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_statu
         "measured 0.185 nats off the reference with 16 requests at once on a 4-expert model, and likelier the "
         "fewer experts a model has. Let P7 run, or serve with --enforce-eager (no CUDA graphs: slower) "
         f"({MOE_GRAPH_DOC})",
+    )
+
+
+def check_moe_stream(report: Report, shape: Shape, p6_status: str | None) -> None:
+    """EXL3 MoE with a shared expert: since 0.21 aphrodite runs the shared expert on a second CUDA stream beside the
+    routed experts for batches of <= 256 tokens, both EXL3 kernels on one lock array; an eager server stopped
+    answering without P6 (run 14, H200, 0.21.0; run 12 the same; intermittent). 0.20.0 kept them on one stream."""
+    if not (is_exl3_moe(shape) and (shape.moe or {}).get("shared_intermediate")):
+        return
+    if p6_status in ("APPLIED", "UPSTREAM_FIXED"):
+        report.add(
+            "OK",
+            "moe-stream",
+            "EXL3 MoE shared expert: "
+            + ("the overlay's P6 keeps it on the main stream" if p6_status == "APPLIED" else "this aphrodite keeps it")
+            + f" beside the routed experts' EXL3 kernels ({MOE_STREAM_DOC})",
+        )
+        return
+    where = (
+        "unless this overlay is installed in that environment"
+        if p6_status in (None, "NOT_APPLICABLE")
+        else f"and the overlay's P6 is not active ({p6_status})"
+    )
+    report.add(
+        "WARN",
+        "moe-stream",
+        f"EXL3 MoE with a shared expert, {where}: aphrodite 0.21-0.24.1 run the shared expert's EXL3 kernels on a "
+        "second CUDA stream beside the routed experts' for batches of up to 256 tokens, and a server so served "
+        "stopped answering on an H200 (its first completion never came; not every run). Let P6 run, or set "
+        f"APHRODITE_DISABLE_SHARED_EXPERTS_STREAM=1 (for every MoE model in the process) ({MOE_STREAM_DOC})",
     )
 
 
@@ -741,6 +772,7 @@ def diagnose(
             check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
             check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
             check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
+            check_moe_stream(report, shape, statuses.get("P6"))
     report.plan = memory_plan(
         report,
         folder,

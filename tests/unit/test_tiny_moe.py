@@ -227,6 +227,20 @@ def test_doctor_on_exl3_moe_in_cuda_graphs_follows_p7(moe, p7, eager, expected):
     assert finding("check_moe_graphs", dest, "dense", False, None) is None  # the twin is not EXL3: nothing to say
 
 
+@pytest.mark.parametrize(
+    "p6, expected",
+    [("APPLIED", "OK"), ("UPSTREAM_FIXED", "OK"), ("DISABLED", "WARN"), (None, "WARN"), ("NOT_APPLICABLE", "WARN")],
+)
+def test_doctor_on_an_exl3_moe_shared_expert_follows_p6(moe, p6, expected):
+    """Without P6 the shared expert's EXL3 kernels share the GPU with the routed experts' on a second stream, and an
+    eager server stopped answering (run 14, 0.21.0); the workaround without the overlay is named."""
+    dest, _ = moe
+    found = finding("check_moe_stream", dest, "exl3", p6)
+    assert found.check == "moe-stream" and found.level == expected, found.message
+    assert ("APHRODITE_DISABLE_SHARED_EXPERTS_STREAM=1" in found.message) == (expected == "WARN")
+    assert finding("check_moe_stream", dest, "dense", None) is None  # the twin is not EXL3: nothing to say
+
+
 def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     from hybrid_exl3_fixes import doctor
 
@@ -235,3 +249,4 @@ def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     level = {f.check: f.level for f in report.findings}["moe-lora"]
     assert level == ("OK" if HAS_APHRODITE else "WARN")
     assert {f.check: f.level for f in report.findings}["moe-graphs"] == ("OK" if HAS_APHRODITE else "WARN")
+    assert {f.check: f.level for f in report.findings}["moe-stream"] == ("OK" if HAS_APHRODITE else "WARN")
