@@ -557,6 +557,13 @@ def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: s
     )
 
 
+def without_fix(patch: str, status: str | None) -> str:
+    """How a WARN says why the fix is missing: no overlay where the engine runs, or the patch not active."""
+    if status in (None, "NOT_APPLICABLE"):
+        return "unless this overlay is installed in that environment"
+    return f"and the overlay's {patch} is not active ({status})"
+
+
 MOE_GRAPH_DOC = "docs/upstream/exl3-moe-graph-expert-capacity.md"
 MOE_STREAM_DOC = "docs/upstream/exl3-moe-shared-expert-stream.md"
 
@@ -580,11 +587,7 @@ def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_statu
             + f" ({MOE_GRAPH_DOC})",
         )
         return
-    where = (
-        "unless this overlay is installed in that environment"
-        if p7_status in (None, "NOT_APPLICABLE")
-        else (f"and the overlay's P7 is not active ({p7_status})")
-    )
+    where = without_fix("P7", p7_status)
     report.add(
         "WARN",
         "moe-graphs",
@@ -611,11 +614,7 @@ def check_moe_stream(report: Report, shape: Shape, p6_status: str | None) -> Non
             + f" beside the routed experts' EXL3 kernels ({MOE_STREAM_DOC})",
         )
         return
-    where = (
-        "unless this overlay is installed in that environment"
-        if p6_status in (None, "NOT_APPLICABLE")
-        else f"and the overlay's P6 is not active ({p6_status})"
-    )
+    where = without_fix("P6", p6_status)
     report.add(
         "WARN",
         "moe-stream",
