@@ -879,7 +879,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             "refuses to start; lower --max-model-len",
         )
     elif not eng.eager and cap["blocks"] < eng.max_num_seqs:
-        # config/compilation.py (0.21.0, from vLLM #34094): with FULL decode graphs every decode sequence needs
+        # config/compilation.py (0.20.0-0.24.1, from vLLM #34094): with FULL decode graphs every decode sequence needs
         # one Mamba cache block, checked after the profiling run. Run 14 (H200, the 27B at full depth, pool pinned
         # at 16 GiB): "max_num_seqs (1024) exceeds available Mamba cache blocks (655)", the plan's 655 exactly
         report.add(
