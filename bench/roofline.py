@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=int, default=256)
     args = parser.parse_args(argv)
     if args.measure:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--measure needs a CUDA GPU (none here): give the figure of one with --bandwidth")
         print(json.dumps({"copy_bandwidth_gbps": measure_bandwidth()}))
         return 0
     if args.model_dir is None or args.bandwidth is None:

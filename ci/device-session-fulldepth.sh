@@ -2,7 +2,10 @@
 # Issue 18 on one H200 (after ../shared/device/stage.sh and its install call, with exllamav3's wheel and
 # extension in .cache/ for ci/exllamav3-env.sh: carried, or built by ci/device-session-issues.sh), run detached by ci/device-bg.sh. Resumable: a
 # finished piece is skipped. Results under /tmp/hxf-out/fulldepth (bundle: fulldepth-results.tgz).
-#   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only)
+#   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only); NAME:CODEBOOK
+#                                                    writes that preset in one codebook (make-tiny --codebook,
+#                                                    e.g. qwen3.6-27b-full:mixed: issue 18's P3 cost at full
+#                                                    depth against the preset's mcg), results as NAME-CODEBOOK-*
 #   HXF_FD_SECONDS                                   no new piece after this many seconds (default 1500)
 #   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order (run 13: "base lora exllamav3",
 #                                                    so that the LoRA cost is a ratio measured in one run first)
@@ -17,7 +20,7 @@
 #                                                    is done; the idle one only holds its memory. Then exllamav3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SITE="${HXF_SITE:-/tmp/devsite}" OUT=/tmp/hxf-out/fulldepth MODELS=/tmp/hxf-fd/models
+SITE="${HXF_SITE:-/tmp/devsite}" OUT="${HXF_FD_OUT:-/tmp/hxf-out/fulldepth}" MODELS="${HXF_FD_MODELS:-/tmp/hxf-fd/models}"
 BUDGET="${HXF_FD_SECONDS:-1500}"
 mkdir -p "$OUT" "$MODELS"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
@@ -25,23 +28,30 @@ export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTH
 # another stage imports it would race)
 [ -n "${HXF_FD_NO_INSTALL:-}" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 left() { echo $((BUDGET - SECONDS)); }
-for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
+for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
+  name=${spec%%:*} codebook=(); preset=$name
+  [ "$spec" = "$name" ] || { codebook=(--codebook "${spec#*:}"); preset="$name-${spec#*:}"; }
   m="$MODELS/$preset"
-  [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$preset"
+  [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $preset: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$name" "${codebook[@]}"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('$MODELS'), Path('$OUT'), '$preset/exl3')"
   engine_args="--gdn-prefill-backend triton --language-model-only"
   if [ "${HXF_FD_PARALLEL:-0}" = 1 ]; then
     pin="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes ${HXF_FD_KV_BYTES:-$((28 << 30))}"
     gates=(); for g in ${HXF_FD_GATE:-}; do gates+=(--wait-for "$g"); done
     rm -f "$OUT/$preset".{base,lora}.{ready,done}
+    # the kinds of HXF_FD_KINDS among base and lora; one left out counts as ready and done (nothing to wait for)
+    for kind in base lora; do
+      case " ${HXF_FD_KINDS:-base exllamav3 lora} " in *" $kind "*) ;; *) touch "$OUT/$preset.$kind".{ready,done} ;; esac
+    done
     pids=()
     for kind in base lora; do
+      [ -e "$OUT/$preset.$kind.done" ] && continue
       r="$OUT/$preset-aphrodite-$kind.json"
       if [ -e "$r" ] && grep -q '"rows"' "$r"; then touch "$OUT/$preset.$kind.ready" "$OUT/$preset.$kind.done"; continue; fi
       if [ "$kind" = base ]; then
-        wait_args=("${gates[@]}" --wait-for "$OUT/$preset.lora.ready"); adapter=(); port=8300
+        wait_args=("${gates[@]}" --wait-for "$OUT/$preset.lora.ready"); adapter=(); port=${HXF_FD_PORT:-8300}
       else
-        wait_args=(--wait-for "$OUT/$preset.base.done"); adapter=(--adapter "$m/lora-a"); port=8301
+        wait_args=(--wait-for "$OUT/$preset.base.done"); adapter=(--adapter "$m/lora-a"); port=$((${HXF_FD_PORT:-8300} + 1))
       fi
       python3 bench/serving_http.py "$m/exl3" --out "$r" "${adapter[@]}" --port "$port" --deadline "$(left)" \
         ${HXF_FD_CONCURRENCY:+--concurrency "$HXF_FD_CONCURRENCY"} --engine-args "$engine_args $pin" \
@@ -56,13 +66,15 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
       for _ in $(seq 600); do [ -e "$g" ] && break; sleep 2; done
     done
     for kind in base lora; do
+      case " ${HXF_FD_KINDS:-base exllamav3 lora} " in *" $kind "*) ;; *) continue ;; esac
       grep -q '"rows"' "$OUT/$preset-aphrodite-$kind.json" 2>/dev/null \
         || echo "fulldepth: the $kind engine did not measure (see $OUT/$preset-aphrodite-$kind.stdout); not retried alone"
     done
   fi
   # the copy bandwidth of the roofline, with nothing else on the GPU (in parallel mode: after both engines)
-  [ -e "$OUT/bandwidth.json" ] || python3 bench/roofline.py --measure > "$OUT/bandwidth.json"
-  cat "$OUT/bandwidth.json"
+  [ -e "$OUT/bandwidth.json" ] || { python3 bench/roofline.py --measure > "$OUT/bandwidth.tmp" \
+    && mv "$OUT/bandwidth.tmp" "$OUT/bandwidth.json"; rm -f "$OUT/bandwidth.tmp"; }  # no empty file left to skip on
+  cat "$OUT/bandwidth.json" 2>/dev/null
   # default base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
   for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
@@ -81,5 +93,5 @@ for preset in ${HXF_PRESETS:-qwen3.6-27b-full}; do
       --engine-args "$engine_args"
   done
 done
-tar czf /tmp/hxf-out/fulldepth-results.tgz -C "$OUT" .
+tar czf "$(dirname "$OUT")/fulldepth-results.tgz" -C "$OUT" .
 echo "== $(date -u +%FT%TZ) done"

@@ -32,6 +32,13 @@ STARTUP_FIGURES = {
 }
 
 
+def _default_sigint() -> None:
+    """In the server's process before exec: SIGINT back to its default. Started from a background job (the
+    device scripts start drivers with &), a process inherits SIGINT ignored from bash, and stop()'s SIGINT then
+    waits its 30 s for nothing before SIGKILL (aphrodite installs its own handler; a plain program does not)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def aphrodite_command() -> list[str]:
     """The user's command: ``aphrodite`` on PATH (the console script), else the same entry point."""
     found = shutil.which("aphrodite")
@@ -67,7 +74,12 @@ class Server:
             out.flush()
             # its own process group: stop() ends the API server, the engine core and their children
             self.proc = subprocess.Popen(
-                self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_default_sigint,
             )
         self.started = time.monotonic()
 

@@ -4,7 +4,9 @@ and bench/exllamav3_generator.py's argument handling (the generator itself needs
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -258,3 +260,62 @@ def test_fulldepth_report_refuses_a_folder_that_is_not_a_result(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_info:
         fulldepth_report.main([str(tmp_path)])
     assert exit_info.value.code == 2 and "bandwidth.json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("aphrodite") is not None,
+    reason="version-independent (a shell script and a stand-in server): runs once, in the lane without aphrodite",
+)
+def test_fulldepth_script_starts_both_engines_and_measures_only_after_its_gate(streaming_aphrodite, tmp_path):
+    """ci/device-session-fulldepth.sh with HXF_FD_PARALLEL=1 against the stand-in server (fake input): both
+    engines start at once, neither measures before the gate file exists, base measures before LoRA, and
+    without a GPU no empty bandwidth.json is left to be skipped on (run 14's script went on beside other work
+    after its engines failed, and a failed measurement left a file behind)."""
+    import os
+    import threading
+    import time
+
+    _, _, stub = streaming_aphrodite
+    site = tmp_path / "site"
+    (site / "bin").mkdir(parents=True)
+    os.symlink(stub / "bin" / "aphrodite", site / "bin" / "aphrodite")
+    (site / "bin" / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this venv's, not a link
+    (site / "bin" / "python3").chmod(0o755)
+    model = tmp_path / "models" / "qwen3.6-27b-full"
+    (model / "exl3").mkdir(parents=True)
+    (model / "lora-a").mkdir()
+    (model / "manifest.json").write_text("{}")
+    (model / "exl3" / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 5000}}))
+    (model / "lora-a" / "adapter_config.json").write_text("{}")
+    out, gate = tmp_path / "out" / "fulldepth", tmp_path / "gate"
+    env = {
+        **os.environ,
+        "HXF_SITE": str(site),
+        "HXF_FD_OUT": str(out),
+        "HXF_FD_MODELS": str(tmp_path / "models"),
+        "HXF_FD_PARALLEL": "1",
+        "HXF_FD_NO_INSTALL": "1",
+        "HXF_FD_KINDS": "base lora",
+        "HXF_FD_CONCURRENCY": "1,2",
+        "HXF_FD_GATE": str(gate),
+        "HXF_FD_PORT": str(free_port()),
+        "HXF_FD_SECONDS": "300",
+    }
+    opened = threading.Timer(6.0, gate.touch)
+    opened.start()
+    t0 = time.monotonic()
+    done = subprocess.run(
+        ["bash", str(ROOT / "ci" / "device-session-fulldepth.sh")], env=env, capture_output=True, text=True, timeout=240
+    )
+    opened.cancel()
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, lora = (json.loads((out / f"qwen3.6-27b-full-aphrodite-{k}.json").read_text()) for k in ("base", "lora"))
+    said = {f.name: f.read_text()[-600:] for f in out.glob("*.stdout")}
+    assert "rows" in base and "rows" in lora, (base, lora, said, done.stdout[-1000:])
+    assert [r["completed"] for r in base["rows"]] == [1, 2] == [r["completed"] for r in lora["rows"]]
+    assert "--kv-cache-memory-bytes" in base["command"] and "--enable-lora" in lora["command"]
+    assert base["gate"]["missing"] == [] and base["gate"]["waited_s"] > 0  # it waited for the gate file
+    assert time.monotonic() - t0 > 6.0
+    assert lora["gate"]["waited_s"] > 0  # and LoRA for base's levels
+    assert not (out / "bandwidth.json").exists() and not (out / "bandwidth.tmp").exists()
+    assert not (out / "qwen3.6-27b-full-exllamav3.json").exists()  # not among HXF_FD_KINDS
