@@ -28,6 +28,8 @@ export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTH
 # another stage imports it would race)
 [ -n "${HXF_FD_NO_INSTALL:-}" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 left() { echo $((BUDGET - SECONDS)); }
+KINDS="${HXF_FD_KINDS:-base exllamav3 lora}"
+wanted() { case " $KINDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
   name=${spec%%:*} codebook=(); preset=$name
   [ "$spec" = "$name" ] || { codebook=(--codebook "${spec#*:}"); preset="$name-${spec#*:}"; }
@@ -40,9 +42,7 @@ for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
     gates=(); for g in ${HXF_FD_GATE:-}; do gates+=(--wait-for "$g"); done
     rm -f "$OUT/$preset".{base,lora}.{ready,done}
     # the kinds of HXF_FD_KINDS among base and lora; one left out counts as ready and done (nothing to wait for)
-    for kind in base lora; do
-      case " ${HXF_FD_KINDS:-base exllamav3 lora} " in *" $kind "*) ;; *) touch "$OUT/$preset.$kind".{ready,done} ;; esac
-    done
+    for kind in base lora; do wanted "$kind" || touch "$OUT/$preset.$kind".{ready,done}; done
     pids=()
     for kind in base lora; do
       [ -e "$OUT/$preset.$kind.done" ] && continue
@@ -66,7 +66,7 @@ for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
       for _ in $(seq 600); do [ -e "$g" ] && break; sleep 2; done
     done
     for kind in base lora; do
-      case " ${HXF_FD_KINDS:-base exllamav3 lora} " in *" $kind "*) ;; *) continue ;; esac
+      wanted "$kind" || continue
       grep -q '"rows"' "$OUT/$preset-aphrodite-$kind.json" 2>/dev/null \
         || echo "fulldepth: the $kind engine did not measure (see $OUT/$preset-aphrodite-$kind.stdout); not retried alone"
     done
@@ -76,7 +76,7 @@ for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
     && mv "$OUT/bandwidth.tmp" "$OUT/bandwidth.json"; rm -f "$OUT/bandwidth.tmp"; }  # no empty file left to skip on
   cat "$OUT/bandwidth.json" 2>/dev/null
   # default base, then exllamav3, then LoRA: where the time runs out, the Aphrodite / exllamav3 ratio is there first
-  for kind in ${HXF_FD_KINDS:-base exllamav3 lora}; do
+  for kind in $KINDS; do
     r="$OUT/$preset-$kind.json"; [ "$kind" = exllamav3 ] || r="$OUT/$preset-aphrodite-$kind.json"
     [ -e "$r" ] && grep -q '"rows"' "$r" && continue
     [ "${HXF_FD_PARALLEL:-0}" = 1 ] && [ "$kind" != exllamav3 ] && continue  # measured above, or reported failed

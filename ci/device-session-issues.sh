@@ -42,6 +42,9 @@ if [ ! -e "$EXT" ] && [ -e "$WHEEL" ]; then
   ) > "$ROOT/exl3-build.log" 2>&1 &
   build=$!
 fi
+wait_build() {  # the full-depth stages: an extension build would take the benchmark's CPU
+  [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
+}
 mk() { [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"; }
 # in the background from the start: about 2 min, on the GPU. (Run 12's MoE servers went silent beside a CPU-heavy
 # writer and a 12-job nvcc build, cause not found: docs/upstream/exl3-moe-compiled-graph-capture.md; the CPU-heavy
@@ -98,7 +101,7 @@ for stage in $STAGES; do
       touch "$ROOT/moe.done"
       ;;
     fdstart)
-      [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; build=""; }
+      wait_build
       while [ ! -e /tmp/hxf-fd/models/qwen3.6-27b-full/manifest.json ] && kill -0 "$writer" 2>/dev/null; do sleep 2; done
       gate="${HXF_FD_GATE_EXTRA:-}"; case " $STAGES " in *" moe "* | *" moewait "*) gate="$gate $ROOT/moe.done" ;; esac
       stamp "fdstart (the engines measure once these exist: $gate)"
@@ -115,7 +118,7 @@ for stage in $STAGES; do
       [ -z "$fd" ] || { wait "$fd"; stamp "fulldepth exit $?"; tail -5 "$ROOT/fulldepth.log"; }
       ;;
     fulldepth)
-      [ -z "$build" ] || { stamp "waiting for the exllamav3 build"; wait "$build"; stamp "build exit $?"; tail -3 "$ROOT/exl3-build.log"; build=""; }
+      wait_build
       wait "$writer" 2>/dev/null; cat "$ROOT/checkpoints.log"  # the 35B is written by stage cal, not here
       stamp "fulldepth"
       HXF_FD_NO_INSTALL=1 HXF_FD_SECONDS=$(($(left) - 60)) bash ci/device-session-fulldepth.sh

@@ -55,12 +55,12 @@ SPREAD_FACTOR = 1.5
 
 
 def aphrodite_minor() -> tuple[int, int]:
-    """The installed aphrodite-engine's (major, minor), from its distribution metadata; (0, 0) without it."""
-    from importlib import metadata
+    """The installed aphrodite-engine's (major, minor), as the overlay reads it; (0, 0) without it."""
+    from hybrid_exl3_fixes import aphrodite_version
 
     try:
-        return tuple(int(part) for part in metadata.version("aphrodite-engine").split(".")[:2])
-    except (metadata.PackageNotFoundError, ValueError):
+        return tuple(int(part) for part in (aphrodite_version() or "").split(".")[:2])
+    except ValueError:
         return (0, 0)
 
 
