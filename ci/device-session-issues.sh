@@ -17,6 +17,7 @@
 #      at 240, 330 and 420 s (moe/pyspy.txt); touches moe.done at the end
 #   2. fulldepth: ci/device-session-fulldepth.sh once its checkpoint is written and any extension build
 #      has ended (it would take the benchmark's CPU); the engines one after the other, the machine alone
+#   gate: waits for the files in HXF_GATE (e.g. "gate cal" after the 0.24 job: calibration needs the GPU alone)
 #   3. cal: bench/memory_calibration.py (--only HXF_CAL_ONLY) in the time left, the machine alone
 #   HXF_STAGES="moe fulldepth cal" (default; "upstream fdstart moe fdwait cal" overlaps the full-depth start-ups
 #      with the MoE suite)  HXF_SESSION_SECONDS (default 1560): no stage starts after it
@@ -109,6 +110,10 @@ for stage in $STAGES; do
       HXF_FD_NO_INSTALL=1 HXF_FD_PARALLEL=1 HXF_FD_GATE="$gate" HXF_FD_SECONDS=$(($(left) - 60)) nice -n 10 bash ci/device-session-fulldepth.sh \
         > "$ROOT/fulldepth.log" 2>&1 &
       fd=$!
+      ;;
+    gate)  # until every file in HXF_GATE exists (another job's end, e.g. /tmp/hxf-out/v24.done): nothing measures beside it
+      for f in ${HXF_GATE:-}; do while [ ! -e "$f" ] && [ "$(left)" -gt 240 ]; do sleep 3; done; done
+      stamp "gate: ${HXF_GATE:-nothing to wait for}"
       ;;
     moewait)  # a MoE suite started by an earlier session job (one replaced mid-run): until it ends, then moe.done
       while pgrep -f "test_moe_server[.]py" > /dev/null; do sleep 5; done
