@@ -114,7 +114,7 @@ CELLS = {
         ADAPTERS,
         [],
         {"HYBRID_EXL3_FIXES_DISABLE": "1"},
-        ("Missing EXL3 tensors",) if aphrodite_minor() < (0, 22) else ("Unsupported base layer: FusedMoE",),
+        ("Missing EXL3 tensors",) if aphrodite_minor() < (0, 22) else ("Unsupported base layer: RoutedExperts",),
     ),
     "moe-lora-noP2-noP5": (
         True,
