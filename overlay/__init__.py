@@ -41,6 +41,7 @@ PATCHES: list[Patch] = [
     _p1.PATCH_P4,
     _p5.PATCH,
     _p6.PATCH,
+    _p1.PATCH_P9,  # before P7: P7's chunks then reach P9, each sanitised for its own size
     _p1.PATCH_P7,
 ]
 REGISTRY = Registry(PATCHES)

@@ -625,6 +625,54 @@ def check_moe_stream(report: Report, shape: Shape, p6_status: str | None) -> Non
     )
 
 
+MOE_PADDING_DOC = "docs/upstream/exl3-moe-padding-expert-ids.md"
+
+
+def check_moe_padding(report: Report, shape: Shape, p9_status: str | None) -> None:
+    """EXL3 MoE on 0.23+: the routers give the rows a batch is padded with (CUDA-graph sizes, the profiling run)
+    expert id -1 (``APHRODITE_MOE_SKIP_PADDING``, on by default since 0.23.0), which ``Exl3MoEMethod.apply`` cannot
+    count: the engine stops at start-up on a device-side assert (run 15, H200, 0.24.1, eager and compiled, with and
+    without LoRA). The overlay's P9 maps the id to one the kernel takes; ``APHRODITE_MOE_SKIP_PADDING=0`` avoids it."""
+    import importlib.util
+    import os
+
+    if not is_exl3_moe(shape):
+        return
+    if os.environ.get("APHRODITE_MOE_SKIP_PADDING", "").strip() == "0":
+        report.add(
+            "OK", "moe-padding", f"APHRODITE_MOE_SKIP_PADDING=0: padding rows keep real expert ids ({MOE_PADDING_DOC})"
+        )
+        return
+    here = importlib.util.find_spec("aphrodite") is not None
+    if p9_status in ("APPLIED", "UPSTREAM_FIXED") or (p9_status == "NOT_APPLICABLE" and here):
+        how = {
+            "APPLIED": "the overlay's P9 gives them an id the EXL3 expert kernel takes",
+            "UPSTREAM_FIXED": "this aphrodite's EXL3 experts take them",
+            "NOT_APPLICABLE": "this aphrodite's routers do not mark them (0.23.0+ do)",
+        }[p9_status]
+        report.add("OK", "moe-padding", f"EXL3 MoE and the padding rows' expert id -1: {how} ({MOE_PADDING_DOC})")
+        return
+    problem = (
+        "aphrodite 0.23.0-0.24.1 give the rows a batch is padded with (CUDA-graph sizes, the profiling run) expert "
+        "id -1, which the EXL3 expert kernel cannot count: every EXL3 MoE model stops at start-up on a device-side "
+        "assert (scatter gather kernel index out of bounds), eager or compiled, with or without LoRA"
+    )
+    if p9_status in (None, "NOT_APPLICABLE"):  # no aphrodite here: the engine's release is not known
+        report.add(
+            "WARN",
+            "moe-padding",
+            f"EXL3 MoE: {problem}, unless this overlay is installed where the engine runs or "
+            f"APHRODITE_MOE_SKIP_PADDING=0 is set there ({MOE_PADDING_DOC})",
+        )
+        return
+    report.add(
+        "BLOCK",
+        "moe-padding",
+        f"EXL3 MoE and the overlay's P9 is not active ({p9_status}): {problem}. Let P9 run, or set "
+        f"APHRODITE_MOE_SKIP_PADDING=0 for the engine ({MOE_PADDING_DOC})",
+    )
+
+
 def check_compiled_mode(
     report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto", p4_status: str | None = None
 ) -> None:
@@ -772,6 +820,7 @@ def diagnose(
             check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
             check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
             check_moe_stream(report, shape, statuses.get("P6"))
+            check_moe_padding(report, shape, statuses.get("P9"))
     report.plan = memory_plan(
         report,
         folder,

@@ -251,13 +251,22 @@ class Registry:
                     raise Drift(f"{target.key} changed kind: now a {now}, the patch was written for a {kind}")
 
     @staticmethod
-    def _tagged(raw: Any) -> str | None:
+    def _tags(raw: Any) -> set[str]:
+        """The patch ids on ``raw`` and on every function it wraps (P7 wraps P9 on ``Exl3MoEMethod.apply``)."""
         fn = raw
         if isinstance(raw, (staticmethod, classmethod)):
             fn = raw.__func__
         elif isinstance(raw, property):
             fn = raw.fget
-        return getattr(fn, MARKER, None)
+        tags = set()
+        for _ in range(16):  # a chain of wrappers, never a cycle
+            if fn is None:
+                break
+            tag_ = getattr(fn, MARKER, None)
+            if tag_ is not None:
+                tags.add(tag_)
+            fn = getattr(fn, "__wrapped__", None)
+        return tags
 
     # -- apply / undo ---------------------------------------------------------------------
     def apply(self, patch: Patch) -> Result:
@@ -279,7 +288,7 @@ class Registry:
             return Result(patch, Status.DRIFTED, str(exc))
         except BrokenInstall as exc:
             return Result(patch, Status.BROKEN_INSTALL, str(exc))
-        if all(self._tagged(item.raw) == patch.id for item in live.values() if item.target.binds is None):
+        if all(patch.id in self._tags(item.raw) for item in live.values() if item.target.binds is None):
             return Result(patch, Status.APPLIED, "already patched in this process")
         try:
             has_bug = patch.probe(live)

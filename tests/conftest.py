@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
-from helpers import aphrodite_site
+from helpers import HAS_APHRODITE, VERSION_INDEPENDENT, aphrodite_site
+
+
+def pytest_collection_modifyitems(config, items):
+    if not HAS_APHRODITE or os.environ.get("HXF_EVERY_LANE") == "1":
+        return
+    once = pytest.mark.skip(
+        reason="version-independent (reads no aphrodite code): runs once, in the lane without aphrodite"
+    )
+    for item in items:
+        if item.path.name in VERSION_INDEPENDENT:
+            item.add_marker(once)
 
 
 @pytest.fixture

@@ -171,6 +171,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P4", "APPLIED"),
         ("P5", "APPLIED"),
         ("P6", "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED"),
+        ("P9", "NOT_APPLICABLE"),  # 0.20/0.21 never give padding rows expert id -1; applied before P7 (it wraps P9)
         ("P7", "APPLIED"),
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
@@ -246,6 +247,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P5": "APPLIED",
         "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
         "P7": "APPLIED",
+        "P9": "NOT_APPLICABLE",  # 0.20/0.21 never give padding rows expert id -1
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -285,7 +287,11 @@ def test_fixed_release_is_left_alone(overlay):
     # P2b, P4, P5, P6 and P7 are still needed there (0.24.1 has the same weight property, apply, MoE LoRA
     # wrapper, shared-expert stream choice and capture shortcut in the EXL3 MoE apply)
     assert {results[p].status.value for p in ("P2b", "P4", "P5", "P6", "P7")} == {"APPLIED"}
-    assert "hybrid-exl3-fixes: applied=6 upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
+    # P9 from 0.23.0 (padding rows' expert id -1); 0.22.0's routers do not give it
+    padding_ids = APHRODITE_VERSION != "0.22.0"
+    assert results["P9"].status.value == ("APPLIED" if padding_ids else "NOT_APPLICABLE"), results["P9"].reason
+    applied = 7 if padding_ids else 6
+    assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 

@@ -77,6 +77,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P5": "APPLIED",
             "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
             "P7": "APPLIED",
+            "P9": "NOT_APPLICABLE",
         }
         applied = 6 if APHRODITE_VERSION == "0.20.0" else 7
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
@@ -87,6 +88,8 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P5"] == "APPLIED"  # EXL3 MoE + LoRA, in every release
         assert out["results"]["P6"] == "APPLIED"  # the EXL3 shared expert's stream, 0.21+
         assert out["results"]["P7"] == "APPLIED"  # EXL3 experts over the kernel's capacity in a CUDA graph
+        # padding rows' expert id -1, from 0.23.0 (0.22.0's routers do not give it)
+        assert out["results"]["P9"] == ("NOT_APPLICABLE" if APHRODITE_VERSION == "0.22.0" else "APPLIED")
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -274,6 +277,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P5": "UPSTREAM_FIXED",
         "P6": "UPSTREAM_FIXED",
         "P7": "UPSTREAM_FIXED",
+        "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding_ids.py reads it
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

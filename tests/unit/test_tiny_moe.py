@@ -241,6 +241,30 @@ def test_doctor_on_an_exl3_moe_shared_expert_follows_p6(moe, p6, expected):
     assert finding("check_moe_stream", dest, "dense", None) is None  # the twin is not EXL3: nothing to say
 
 
+@pytest.mark.parametrize(
+    "p9, expected",
+    [
+        ("APPLIED", "OK"),
+        ("UPSTREAM_FIXED", "OK"),
+        ("DISABLED", "BLOCK"),
+        ("DRIFTED", "BLOCK"),
+        (None, "WARN"),
+        ("NOT_APPLICABLE", "OK" if HAS_APHRODITE else "WARN"),  # with aphrodite here: a release before 0.23.0
+    ],
+)
+def test_doctor_on_exl3_moe_padding_ids_follows_p9(moe, monkeypatch, p9, expected):
+    """0.23+ give padding rows expert id -1 and every EXL3 MoE model stopped at start-up without P9 (run 15, 0.24.1);
+    the workaround without the overlay is named, and set it makes the check OK."""
+    monkeypatch.delenv("APHRODITE_MOE_SKIP_PADDING", raising=False)
+    dest, _ = moe
+    found = finding("check_moe_padding", dest, "exl3", p9)
+    assert found.check == "moe-padding" and found.level == expected, found.message
+    assert ("APHRODITE_MOE_SKIP_PADDING=0" in found.message) == (expected != "OK")
+    assert finding("check_moe_padding", dest, "dense", None) is None  # the twin is not EXL3: nothing to say
+    monkeypatch.setenv("APHRODITE_MOE_SKIP_PADDING", "0")
+    assert finding("check_moe_padding", dest, "exl3", p9).level == "OK"
+
+
 def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     from hybrid_exl3_fixes import doctor
 
@@ -250,3 +274,4 @@ def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     assert level == ("OK" if HAS_APHRODITE else "WARN")
     assert {f.check: f.level for f in report.findings}["moe-graphs"] == ("OK" if HAS_APHRODITE else "WARN")
     assert {f.check: f.level for f in report.findings}["moe-stream"] == ("OK" if HAS_APHRODITE else "WARN")
+    assert {f.check: f.level for f in report.findings}["moe-padding"] == ("OK" if HAS_APHRODITE else "WARN")
