@@ -45,6 +45,7 @@ RUNS_WHERE_APPLIED = {
     "test_fused_moe_exl3.py": "P5",
     "test_exl3_shared_expert_stream.py": "P6",
     "test_exl3_moe_graph_capacity.py": "P7",
+    "test_exl3_moe_padding_ids.py": "P9",
 }
 APPLIED = (
     {r.patch.id for r in hybrid_exl3_fixes.REGISTRY.results.values() if r.status.value == "APPLIED"}
