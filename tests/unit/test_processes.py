@@ -129,6 +129,14 @@ def test_spawned_process_unpickles_then_gets_the_patch(monkeypatch):
 # -- drift ------------------------------------------------------------------------------------
 
 
+# The drift tests edit a copy of the release's sources and check how the registry reacts: its code, not the
+# release's, so they run on one buggy release (0.21.0, the one users run) and not again on 0.20.0, whose edited
+# sources are the same text.
+drift_once = pytest.mark.skipif(
+    APHRODITE_VERSION == "0.20.0", reason="registry drift handling: the same sources as 0.21.0, run in its lane"
+)
+
+
 def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
     text = path.read_text()
     assert text.count(old) >= count, f"{old!r} not in {path}"
@@ -155,6 +163,7 @@ print("UNTOUCHED")
 
 
 @needs_buggy
+@drift_once
 def test_renamed_target_is_drifted_and_left_alone(aphrodite_copy):
     lora = aphrodite_copy / "aphrodite" / "lora" / "layers"
     for name in ("utils.py", "base_linear.py", "fused_moe.py"):
@@ -170,6 +179,7 @@ def test_renamed_target_is_drifted_and_left_alone(aphrodite_copy):
 
 
 @needs_buggy
+@drift_once
 def test_binding_site_that_stopped_importing_by_name_is_drifted(aphrodite_copy):
     base_linear = aphrodite_copy / "aphrodite" / "lora" / "layers" / "base_linear.py"
     _edit(
@@ -185,6 +195,7 @@ def test_binding_site_that_stopped_importing_by_name_is_drifted(aphrodite_copy):
 
 
 @needs_buggy
+@drift_once
 def test_an_unknown_signature_of_the_moe_apply_is_drifted(aphrodite_copy):
     """P7's target takes two parameter lists (0.20/0.21 and 0.22+); a third is DRIFTED, the method left alone."""
     exl3 = aphrodite_copy / "aphrodite" / "model_executor" / "layers" / "quantization" / "exl3.py"
@@ -209,6 +220,7 @@ def _p1_drift_after(site: Path, old: str, new: str) -> str:
 
 
 @needs_buggy
+@drift_once
 def test_changed_signature_is_drifted_and_left_alone(aphrodite_copy):
     reason = _p1_drift_after(
         aphrodite_copy,
@@ -220,6 +232,7 @@ def test_changed_signature_is_drifted_and_left_alone(aphrodite_copy):
 
 
 @needs_buggy
+@drift_once
 def test_unknown_probe_answer_is_drifted(aphrodite_copy):
     reason = _p1_drift_after(
         aphrodite_copy,

@@ -114,7 +114,8 @@ Why:     0.23.0 turned ``APHRODITE_MOE_SKIP_PADDING`` on by default (envs.py: ``
          ``expert_count.tolist()`` (docs/upstream/exl3-moe-padding-expert-ids.md). 0.23.0 - 0.24.1.
 How:     before the original ``apply``, give padding rows an id its path takes: on the large-batch path
          ``local_num_experts``, the spare last slot of ``expert_count`` that the fused kernel and the
-         fallback never read (``topk_ids.remainder(E + 1)``: -1 becomes E, real ids stay, one kernel); on
+         fallback never read (exllamav3 1.6.5 exl3_moe.cu: "last item is ignored"; its block_sparse_mlp.py
+         sends experts outside a shard there) (``topk_ids.remainder(E + 1)``: -1 becomes E, real ids stay, one kernel); on
          the one-token and small-batch paths expert 0 (``clamp(min=0)``): a padding row's output is thrown
          away, whatever it is. Placed under P7 (applied first), so each chunk P7 captures is sanitised for
          the path its own size takes.
