@@ -258,15 +258,7 @@ class Registry:
             fn = raw.__func__
         elif isinstance(raw, property):
             fn = raw.fget
-        tags = set()
-        for _ in range(16):  # a chain of wrappers, never a cycle
-            if fn is None:
-                break
-            tag_ = getattr(fn, MARKER, None)
-            if tag_ is not None:
-                tags.add(tag_)
-            fn = getattr(fn, "__wrapped__", None)
-        return tags
+        return {getattr(f, MARKER) for f in wrapper_chain(fn) if getattr(f, MARKER, None) is not None}
 
     # -- apply / undo ---------------------------------------------------------------------
     def apply(self, patch: Patch) -> Result:
@@ -366,6 +358,14 @@ class Registry:
         self._restore(saved)
         self.results.pop(patch.id, None)
         return True
+
+
+def wrapper_chain(function: Any) -> list:
+    """``function`` and every function it wraps (``__wrapped__``), outermost first; at most 16 (never a cycle)."""
+    chain = [function]
+    while getattr(chain[-1], "__wrapped__", None) is not None and len(chain) < 16:
+        chain.append(chain[-1].__wrapped__)
+    return chain
 
 
 def tag(patch_id: str, fn: Callable, original: Callable) -> Callable:

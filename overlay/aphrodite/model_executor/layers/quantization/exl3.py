@@ -115,9 +115,9 @@ Why:     0.23.0 turned ``APHRODITE_MOE_SKIP_PADDING`` on by default (envs.py: ``
 How:     before the original ``apply``, give padding rows an id its path takes: on the large-batch path
          ``local_num_experts``, the spare last slot of ``expert_count`` that the fused kernel and the
          fallback never read (exllamav3 1.6.5 exl3_moe.cu: "last item is ignored"; its block_sparse_mlp.py
-         sends experts outside a shard there) (``topk_ids.remainder(E + 1)``: -1 becomes E, real ids stay, one kernel); on
-         the one-token and small-batch paths expert 0 (``clamp(min=0)``): a padding row's output is thrown
-         away, whatever it is. Placed under P7 (applied first), so each chunk P7 captures is sanitised for
+         sends experts outside a shard there): ``topk_ids.remainder(E + 1)``, -1 becomes E, real ids stay,
+         one kernel; on the one-token and small-batch paths expert 0 (``clamp(min=0)``): a padding row's
+         output is thrown away, whatever it is. Placed under P7 (applied first), so each chunk P7 captures is sanitised for
          the path its own size takes.
 Probe:   NOT_APPLICABLE where no router marks padding rows in the top-k ids EXL3 receives (0.20 - 0.22:
          0.22.0 does it in the modular kernel only, which EXL3 MoE does not use); buggy when the live
@@ -135,7 +135,17 @@ import types
 from typing import Any
 
 from hybrid_exl3_fixes.exl3 import dispatch
-from hybrid_exl3_fixes.registry import MARKER, Drift, Live, NotApplicable, Patch, Target, logger, tag
+from hybrid_exl3_fixes.registry import (
+    MARKER,
+    Drift,
+    Live,
+    NotApplicable,
+    Patch,
+    Target,
+    logger,
+    tag,
+    wrapper_chain,
+)
 
 MODULE = "aphrodite.model_executor.layers.quantization.exl3"
 SHARD_IDS = Target(MODULE, "Exl3LinearMethod._shard_ids_for_layer", params=("layer", "output_partition_sizes"))
@@ -724,14 +734,6 @@ PATCH_P7 = Patch(
 # -- P9 ---------------------------------------------------------------------------------------------
 
 ROUTER_MODULE = "aphrodite.model_executor.layers.fused_moe.router.fused_topk_router"
-
-
-def wrapper_chain(function) -> list:
-    """``function`` and every function it wraps (``__wrapped__``), outermost first: P7 wraps P9."""
-    chain = [function]
-    while getattr(chain[-1], "__wrapped__", None) is not None and len(chain) < 16:
-        chain.append(chain[-1].__wrapped__)
-    return chain
 
 
 def marks_padding_rows() -> bool:
