@@ -113,12 +113,11 @@ Why:     0.23.0 turned ``APHRODITE_MOE_SKIP_PADDING`` on by default (envs.py: ``
          index_size``` then ``torch.AcceleratorError: CUDA error: device-side assert triggered`` at
          ``expert_count.tolist()`` (docs/upstream/exl3-moe-padding-expert-ids.md). 0.23.0 - 0.24.1.
 How:     before the original ``apply``, give padding rows an id its path takes: on the large-batch path
-         ``local_num_experts``, the spare last slot of ``expert_count`` that the fused kernel and the
-         fallback never read (exllamav3 1.6.5 exl3_moe.cu: "last item is ignored"; its block_sparse_mlp.py
-         sends experts outside a shard there): ``topk_ids.remainder(E + 1)``, -1 becomes E, real ids stay,
-         one kernel; on the one-token and small-batch paths expert 0 (``clamp(min=0)``): a padding row's
-         output is thrown away, whatever it is. Placed under P7 (applied first), so each chunk P7 captures is sanitised for
-         the path its own size takes.
+         ``local_num_experts``, the spare last slot of ``expert_count`` that the fused kernel and the fallback never
+         read (exllamav3 1.6.5 exl3_moe.cu: "last item is ignored"; its block_sparse_mlp.py sends experts outside a
+         shard there): ``topk_ids.remainder(E + 1)``, -1 becomes E, real ids stay, one kernel; on the one-token and
+         small-batch paths expert 0 (``clamp(min=0)``): a padding row's output is thrown away, whatever it is. Placed
+         under P7 (applied first), so each chunk P7 captures is sanitised for the path its own size takes.
 Probe:   NOT_APPLICABLE where no router marks padding rows in the top-k ids EXL3 receives (0.20 - 0.22:
          0.22.0 does it in the modular kernel only, which EXL3 MoE does not use); buggy when the live
          ``apply``'s source never compares ``topk_ids`` with 0 nor clamps it.
