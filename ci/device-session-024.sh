@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 17, deliverable 4: the current release (aphrodite-engine 0.24.x, torch 2.13) on the H200, beside the 0.21.0
 # session. After ci/stage-0.24.sh's stash calls and its install call (/tmp/devsite24: torch/ and site/), run
-# detached by ci/device-bg.sh. Two GPU suites at once, each in its own work folder, Triton cache (0.24 pins
+# detached by ci/device-bg.sh. Its GPU suites at once, each in its own work folder, Triton cache (0.24 pins
 # triton 3.7.1) and port range (HXF_PORT_OFFSET), at nice 10 so that a 0.21.0 suite started beside it keeps the CPU:
-#   dense/  tests/gpu/test_server.py, HXF_V24_DENSE_CELLS (default compiled-bf16-lora: the user's configuration)
+#   dense/  tests/gpu/test_server.py, HXF_V24_DENSE_CELLS (default compiled-bf16-lora: the user's configuration;
+#           none: not run)
 #   moe/    tests/gpu/test_moe_server.py, HXF_V24_MOE_CELLS (default: compiled with and without LoRA, the expert
 #           adapter's refusal, and the overlay off, which records 0.24's own first error)
+#   upstream/ tests/upstream with the overlay (P7's and P9's EXL3 MoE drop-ins among them); HXF_V24_UPSTREAM=0: not run
 # Results under /tmp/hxf-out/v24/; /tmp/hxf-out/v24.done is touched at the end, whatever happens (other jobs'
 # benchmarks wait for it).
 set -uo pipefail
@@ -20,12 +22,14 @@ python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --
 export PYTHONPATH="$SITE/site:$SITE/torch" HXF_SITE="" HXF_PORT_OFFSET=1000
 export TRITON_CACHE_DIR=/tmp/hxf-triton-cache24 HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-600}"
 echo "== $(date -u +%FT%TZ) v24: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__, torch.version.cuda)' 2>&1 | tail -1)"
-suite() {  # NAME TEST CELLS
+suite() {  # NAME TEST CELLS ("none": the suite does not run)
+  [ "$3" = none ] && { echo "== $(date -u +%FT%TZ) v24 $1: not run (cells: none)"; return; }
   OUT="$ROOT/$1" HXF_GPU_WORK="/tmp/hxf-gpu24-$1" HXF_SERVER_CELLS="$3" HXF_PYTEST_TIMEOUT="${HXF_V24_SECONDS:-840}" \
     nice -n 10 bash ci/gpu.sh "$2" > "$ROOT/$1.log" 2>&1
   echo "== $(date -u +%FT%TZ) v24 $1: exit $? $(tail -1 "$ROOT/$1.log")"
 }
 suite dense tests/gpu/test_server.py "${HXF_V24_DENSE_CELLS:-compiled-bf16-lora}" &
+[ "${HXF_V24_UPSTREAM:-1}" = 1 ] && suite upstream tests/upstream all &  # the drop-ins with the overlay (P9's)
 suite moe tests/gpu/test_moe_server.py \
   "${HXF_V24_MOE_CELLS:-moe-compiled-bf16-nolora,moe-compiled-bf16-lora,moe-eager-bf16-lora-experts,moe-lora-unpatched}" &
 wait
