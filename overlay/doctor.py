@@ -657,19 +657,12 @@ def check_moe_padding(report: Report, shape: Shape, p9_status: str | None) -> No
         "id -1, which the EXL3 expert kernel cannot count: every EXL3 MoE model stops at start-up on a device-side "
         "assert (scatter gather kernel index out of bounds), eager or compiled, with or without LoRA"
     )
-    if p9_status in (None, "NOT_APPLICABLE"):  # no aphrodite here: the engine's release is not known
-        report.add(
-            "WARN",
-            "moe-padding",
-            f"EXL3 MoE: {problem}, unless this overlay is installed where the engine runs or "
-            f"APHRODITE_MOE_SKIP_PADDING=0 is set there ({MOE_PADDING_DOC})",
-        )
-        return
+    unknown = p9_status in (None, "NOT_APPLICABLE")  # no aphrodite here: the engine's release is not known
     report.add(
-        "BLOCK",
+        "WARN" if unknown else "BLOCK",
         "moe-padding",
-        f"EXL3 MoE and the overlay's P9 is not active ({p9_status}): {problem}. Let P9 run, or set "
-        f"APHRODITE_MOE_SKIP_PADDING=0 for the engine ({MOE_PADDING_DOC})",
+        f"EXL3 MoE, {without_fix('P9', p9_status)}: {problem}. Let P9 run, or set APHRODITE_MOE_SKIP_PADDING=0 for "
+        f"the engine ({MOE_PADDING_DOC})",
     )
 
 

@@ -4,7 +4,6 @@ and bench/exllamav3_generator.py's argument handling (the generator itself needs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -262,10 +261,6 @@ def test_fulldepth_report_refuses_a_folder_that_is_not_a_result(tmp_path, capsys
     assert exit_info.value.code == 2 and "bandwidth.json" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("aphrodite") is not None,
-    reason="version-independent (a shell script and a stand-in server): runs once, in the lane without aphrodite",
-)
 def test_fulldepth_script_starts_both_engines_and_measures_only_after_its_gate(streaming_aphrodite, tmp_path):
     """ci/device-session-fulldepth.sh with HXF_FD_PARALLEL=1 against the stand-in server (fake input): both
     engines start at once, neither measures before the gate file exists, base measures before LoRA, and

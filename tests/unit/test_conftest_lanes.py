@@ -11,7 +11,7 @@ from helpers import ROOT, VERSION_INDEPENDENT
 
 RELEASE_DEPENDENT = re.compile(
     r"^\s*(import aphrodite|from aphrodite)|needs_aphrodite|needs_buggy|needs_fixed|HAS_APHRODITE|APHRODITE_VERSION"
-    r"|aphrodite_site|aphrodite_copy|apply_all|check_overlay=True",
+    r"|aphrodite_site|aphrodite_copy|apply_all|check_overlay=True|find_spec\(.aphrodite",
     re.MULTILINE,
 )
 
