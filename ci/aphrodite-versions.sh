@@ -12,8 +12,11 @@ mkdir -p .cache/wheels .cache/aphrodite
 for v in $VERSIONS; do
   dest=.cache/aphrodite/$v
   [ -f "$dest/.ok" ] && continue
+  # ci/fetch-wheel.py resumes a cut download (a 290 MB wheel once failed CI at 189.5 MB); pip is the
+  # fallback for an index that does not speak PEP 691's JSON.
   ls .cache/wheels/aphrodite_engine-"$v"-*.whl >/dev/null 2>&1 ||
-    python -m pip download -q --no-deps -d .cache/wheels "aphrodite-engine==$v"
+    python ci/fetch-wheel.py aphrodite-engine "$v" .cache/wheels >/dev/null ||
+    python -m pip download -q --no-deps --retries 10 -d .cache/wheels "aphrodite-engine==$v"
   rm -rf "$dest" ".cache/aphrodite-kernels/$v"; mkdir -p "$dest"
   python - "$dest" .cache/wheels/aphrodite_engine-"$v"-*.whl <<'PY'
 import sys, zipfile

@@ -9,7 +9,8 @@ dest=.cache/exllamav3/$VER
 [ -f "$dest/.ok2" ] && exit 0
 mkdir -p .cache/wheels "$dest"
 ls .cache/wheels/exllamav3-"$VER"-*.whl >/dev/null 2>&1 ||
-  python -m pip download -q --no-deps -d .cache/wheels "exllamav3==$VER" 2>&1 | grep -v "^WARNING: Location" || true
+  python ci/fetch-wheel.py exllamav3 "$VER" .cache/wheels >/dev/null ||
+  python -m pip download -q --no-deps --retries 10 -d .cache/wheels "exllamav3==$VER" 2>&1 | grep -v "^WARNING: Location" || true
 python - "$dest" .cache/wheels/exllamav3-"$VER"-*.whl <<'PY'
 import sys, zipfile
 dest, whl = sys.argv[1], sys.argv[2]

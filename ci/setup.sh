@@ -8,10 +8,24 @@ cd "$(dirname "$0")/.."
 PYBIN="${PYBIN:-python3}"
 [ -x .venv/bin/python ] || "$PYBIN" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "^WARNING: Location" || true
-python -m pip install -q -r ci/requirements-cpu.txt 2>&1 | grep -v "^WARNING: Location" || true
+# A dropped connection is retried (pip resumes a cut download; a failed install runs again, up to
+# three times), so that a network hiccup does not fail the CI run; the import checks decide.
+pip_retry() {
+  local i rc out resume=()
+  python -m pip install --help 2>/dev/null | grep -q -- --resume-retries && resume=(--resume-retries 20)
+  for i in 1 2 3; do
+    out=$(python -m pip install -q --retries 10 "${resume[@]}" "$@" 2>&1) && rc=0 || rc=$?
+    printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e '^$' >&2 || true
+    [ "$rc" = 0 ] && return 0
+    echo "setup: pip install $* failed with status $rc (try $i of 3)" >&2
+    [ "$i" = 3 ] || sleep $((i * 10))
+  done
+  return 0
+}
+pip_retry --upgrade pip setuptools wheel
+pip_retry -r ci/requirements-cpu.txt
 python -c "import torch, transformers, pytest" || { echo "setup: dependencies failed to install" >&2; exit 1; }
-python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+pip_retry --no-build-isolation -e .
 python -c "import hybrid_exl3_fixes" || { echo "setup: the project failed to install" >&2; exit 1; }
 bash ci/aphrodite-versions.sh
 bash ci/exllamav3-source.sh

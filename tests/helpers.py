@@ -54,6 +54,7 @@ VERSION_INDEPENDENT = (
     "test_codec.py",
     "test_devstage.py",
     "test_exllamav3_layout.py",
+    "test_fetch_wheel.py",
     "test_memplan.py",
     "test_packaging.py",
     "test_roofline.py",
