@@ -7,7 +7,8 @@
 #           none: not run)
 #   moe/    tests/gpu/test_moe_server.py, HXF_V24_MOE_CELLS (default: compiled with and without LoRA, the expert
 #           adapter's refusal, and the overlay off, which records 0.24's own first error)
-#   upstream/ tests/upstream with the overlay (P7's and P9's EXL3 MoE drop-ins among them); HXF_V24_UPSTREAM=0: not run
+#   upstream/ tests/upstream with the overlay (P7's, P9's and P10's EXL3 MoE drop-ins among them); HXF_V24_UPSTREAM=0: not run
+#   control-noP10/, control-raw/  HXF_V24_CONTROLS=1: P10's drop-in with P10 off and with aphrodite as released
 # Results under /tmp/hxf-out/v24/; /tmp/hxf-out/v24.done is touched at the end, whatever happens (other jobs'
 # benchmarks wait for it).
 set -uo pipefail
@@ -28,6 +29,12 @@ suite() {  # NAME TEST CELLS ("none": the suite does not run)
     nice -n 10 bash ci/gpu.sh "$2" > "$ROOT/$1.log" 2>&1
   echo "== $(date -u +%FT%TZ) v24 $1: exit $? $(tail -1 "$ROOT/$1.log")"
 }
+controls() {  # HXF_V24_CONTROLS=1: P10's drop-in without its fix (P10 off: the capture error; raw: as released)
+  [ "${HXF_V24_CONTROLS:-0}" = 1 ] || return 0
+  HYBRID_EXL3_FIXES_DISABLE=P10 suite control-noP10 tests/upstream/tests/kernels/moe/test_exl3_moe_context_capture.py all
+  HYBRID_EXL3_FIXES_UPSTREAM_MODE=raw suite control-raw tests/upstream/tests/kernels/moe/test_exl3_moe_context_capture.py all
+}
+controls &
 suite dense tests/gpu/test_server.py "${HXF_V24_DENSE_CELLS:-compiled-bf16-lora}" &
 [ "${HXF_V24_UPSTREAM:-1}" = 1 ] && suite upstream tests/upstream all &  # the drop-ins with the overlay (P9's)
 suite moe tests/gpu/test_moe_server.py \

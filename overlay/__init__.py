@@ -15,7 +15,7 @@ from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
 from .aphrodite.lora.layers import utils as _p2
 from .aphrodite.model_executor.layers.fused_moe.runner import shared_experts as _p6
-from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4 and P7
+from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4, P7, P9 and P10
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
 __all__ = [
@@ -43,6 +43,7 @@ PATCHES: list[Patch] = [
     _p6.PATCH,
     _p1.PATCH_P9,  # before P7: P7's chunks then reach P9, each sanitised for its own size
     _p1.PATCH_P7,
+    _p1.PATCH_P10,
 ]
 REGISTRY = Registry(PATCHES)
 

@@ -162,6 +162,10 @@ class TinySpec:
     adapters: tuple[str, ...] = ("lora-a", "lora-b")
     max_position: int = 4096  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
     dtype: str = "bfloat16"  # the config's dtype, as exllamav3 keeps the source model's (DTYPES)
+    # text_config.mamba_ssm_dtype: every published Qwen3.5/3.6 config (dense and MoE) carries "float32", and
+    # exllamav3 copies the source config; aphrodite keeps the GDN recurrent state in it (models/config.py,
+    # Qwen3_5ForConditionalGenerationConfig). None leaves the field out (the state then follows ``dtype``)
+    ssm_dtype: str | None = "float32"
     # MoE (Qwen3_5MoeForConditionalGeneration) when experts > 0: every layer's MLP is a router over
     # ``experts`` routed experts (``moe_intermediate`` wide, ``experts_per_tok`` active) plus a shared
     # expert (``shared_intermediate``) behind a sigmoid gate, as the published Qwen3.5/3.6-35B-A3B config
@@ -200,6 +204,8 @@ def _check(spec: TinySpec) -> None:
             )
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
+    if spec.ssm_dtype not in (None, "float32", *DTYPES):
+        raise ValueError(f"ssm_dtype must be float32, {', '.join(DTYPES)} or None, got {spec.ssm_dtype!r}")
     if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
         raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
     if not 1 <= spec.bits <= 8:
@@ -271,6 +277,8 @@ def hf_config(spec: TinySpec) -> dict:
         "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
         "dtype": spec.dtype,
     }
+    if spec.ssm_dtype is not None:
+        text["mamba_ssm_dtype"] = spec.ssm_dtype
     if spec.experts:  # the fields of Qwen3.5/3.6-35B-A3B's text_config (transformers' Qwen3_5MoeTextConfig)
         del text["intermediate_size"]
         text.update(

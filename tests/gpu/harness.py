@@ -91,6 +91,30 @@ class Reference:
         torch.cuda.empty_cache()
         return worst
 
+    def max_tokens_per_expert(self, prompt_ids: list[list[int]]) -> int | None:
+        """The most tokens one routed expert of one layer receives when ``prompt_ids`` are prefilled together in
+        one batch, by the base model's router (HF's TopKRouter returns logits, scores and the chosen experts);
+        None for a dense twin. Above 128 a CUDA-graph batch of those prompts overflows EXL3's fused kernel."""
+        torch = self.torch
+        routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            return None
+        counts: dict[int, torch.Tensor] = {}
+
+        def hook(module, args, output):
+            chosen = output[2].reshape(-1).cpu()
+            counts[id(module)] = counts.get(id(module), 0) + torch.bincount(chosen, minlength=module.num_experts)
+
+        handles = [r.register_forward_hook(hook) for r in routers]
+        try:
+            with torch.no_grad(), self.model.disable_adapter():
+                for ids in prompt_ids:
+                    self.model(input_ids=torch.tensor([ids]).cuda())
+        finally:
+            for handle in handles:
+                handle.remove()
+        return int(max(int(c.max()) for c in counts.values()))
+
     def logprobs(self, ids: list[int], adapter: str | None):
         """(len(ids), vocab) log-softmax rows: row i is the distribution of token i + 1."""
         import contextlib

@@ -18,6 +18,9 @@ UPSTREAM_FIXED: list[str] = []
 ARRIVED_LATER = {"P6"}
 OVERLAY_MODE = os.environ.get("HYBRID_EXL3_FIXES_UPSTREAM_MODE", "overlay") == "overlay"
 
+if not OVERLAY_MODE:
+    # raw: the processes a test starts load aphrodite's plugins (as its workers do); the overlay stays out of them
+    os.environ["HYBRID_EXL3_FIXES_DISABLE"] = "1"
 if importlib.util.find_spec("aphrodite") is None:
     collect_ignore_glob = ["tests/*"]  # nothing to test without aphrodite (the unit suite says so)
 elif OVERLAY_MODE:
@@ -46,9 +49,12 @@ RUNS_WHERE_APPLIED = {
     "test_exl3_shared_expert_stream.py": "P6",
     "test_exl3_moe_graph_capacity.py": "P7",
     "test_exl3_moe_padding_ids.py": "P9",
+    "test_exl3_moe_context_capture.py": "P10",
 }
+# A patch switched off (HYBRID_EXL3_FIXES_DISABLE) counts as applied here: that is a control run, in which its
+# drop-in must show the bug.
 APPLIED = (
-    {r.patch.id for r in hybrid_exl3_fixes.REGISTRY.results.values() if r.status.value == "APPLIED"}
+    {r.patch.id for r in hybrid_exl3_fixes.REGISTRY.results.values() if r.status.value in ("APPLIED", "DISABLED")}
     if OVERLAY_MODE and importlib.util.find_spec("aphrodite") is not None
     else set()
 )

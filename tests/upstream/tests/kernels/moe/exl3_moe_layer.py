@@ -21,7 +21,8 @@ def _signs(n, scale, generator):
 
 
 def exl3_moe_apply():
-    """``apply(x, topk_weights, topk_ids)`` of ``Exl3MoEMethod`` on that layer."""
+    """``apply(x, topk_weights, topk_ids)`` of ``Exl3MoEMethod`` on that layer, loaded as the engine loads it
+    (``process_weights_after_loading``: the tensors move to the GPU, the fused kernel is set up)."""
     from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
     from aphrodite.model_executor.layers.quantization.exl3 import Exl3MoEMethod
 
@@ -33,18 +34,20 @@ def exl3_moe_apply():
             setattr(layer, f"{prefix}_{attr}", SimpleNamespace(exl3_tensors={}))
     for e in range(EXPERTS):
         for shard in ("w1", "w3"):
-            layer.w13_trellis.exl3_tensors[(e, shard)] = _trellis(HIDDEN, INTERMEDIATE, g).to(device)
-            layer.w13_suh.exl3_tensors[(e, shard)] = _signs(HIDDEN, 1.0, g).to(device)
-            layer.w13_svh.exl3_tensors[(e, shard)] = _signs(INTERMEDIATE, 0.05, g).to(device)
-            layer.w13_mcg.exl3_tensors[(e, shard)] = torch.zeros(1, device=device)  # mcg: the MoE kernel's codebook
-        layer.w2_trellis.exl3_tensors[(e, "w2")] = _trellis(INTERMEDIATE, HIDDEN, g).to(device)
-        layer.w2_suh.exl3_tensors[(e, "w2")] = _signs(INTERMEDIATE, 1.0, g).to(device)
-        layer.w2_svh.exl3_tensors[(e, "w2")] = _signs(HIDDEN, 0.05, g).to(device)
-        layer.w2_mcg.exl3_tensors[(e, "w2")] = torch.zeros(1, device=device)
+            layer.w13_trellis.exl3_tensors[(e, shard)] = _trellis(HIDDEN, INTERMEDIATE, g)
+            layer.w13_suh.exl3_tensors[(e, shard)] = _signs(HIDDEN, 1.0, g)
+            layer.w13_svh.exl3_tensors[(e, shard)] = _signs(INTERMEDIATE, 0.05, g)
+            layer.w13_mcg.exl3_tensors[(e, shard)] = torch.zeros(1)  # mcg: the MoE kernel's codebook
+        layer.w2_trellis.exl3_tensors[(e, "w2")] = _trellis(INTERMEDIATE, HIDDEN, g)
+        layer.w2_suh.exl3_tensors[(e, "w2")] = _signs(INTERMEDIATE, 1.0, g)
+        layer.w2_svh.exl3_tensors[(e, "w2")] = _signs(HIDDEN, 0.05, g)
+        layer.w2_mcg.exl3_tensors[(e, "w2")] = torch.zeros(1)
+    layer.layer_name, layer.exl3_tp_rank, layer.exl3_tp_size = "model.layers.0.mlp.experts", 0, 1
     layer.local_num_experts, layer.top_k, layer.hidden_size = EXPERTS, TOP_K, HIDDEN
     layer.exl3_intermediate_size_per_partition = INTERMEDIATE
     layer.activation, layer.expert_map, layer.apply_router_weight_on_input = MoEActivation.SILU, None, False
-    Exl3MoEMethod._setup_fused_moe_kernel(layer, device)
     method = object.__new__(Exl3MoEMethod)
+    with torch.cuda.device(device):
+        method.process_weights_after_loading(layer)
     extra = (None,) * (len(inspect.signature(Exl3MoEMethod.apply).parameters) - 5)  # shared-expert arguments
     return lambda x, w, ids: method.apply(layer, x, w, ids, *extra)
