@@ -149,16 +149,25 @@ def rows() -> list[dict]:
             Engine(24, utilization=0.9, max_model_len=32768, language_model_only=True, eager=True, kv_dtype="fp8"),
         )
     )
+    # runs 10-13 served make-tiny checkpoints written before it set mamba_ssm_dtype: their GDN state was in
+    # the activations' dtype, so these rows rebuild that config (ssm_dtype=None), as the engine saw it
+    then = dict(ssm_dtype=None)
     pinned = [
-        ("tiny bf16", "run10", "server-compiled-bf16-nolora.log", tiny_config("tiny"), "auto"),
-        ("tiny fp16", "run10", "server-compiled-fp16-nolora.log", tiny_config("tiny", dtype="float16"), "auto"),
-        ("tiny bf16, fp8 KV", "run10", "server-compiled-bf16-lora-fp8kv.log", tiny_config("tiny"), "fp8"),
-        ("tiny-moe bf16", "run11", "server-moe-compiled-bf16-nolora.log", tiny_config("tiny-moe"), "auto"),
+        ("tiny bf16 state", "run10", "server-compiled-bf16-nolora.log", tiny_config("tiny", **then), "auto"),
         (
-            "35B-A3B width, 4 layers, bf16",
+            "tiny fp16 state",
+            "run10",
+            "server-compiled-fp16-nolora.log",
+            tiny_config("tiny", dtype="float16", **then),
+            "auto",
+        ),
+        ("tiny bf16 state, fp8 KV", "run10", "server-compiled-bf16-lora-fp8kv.log", tiny_config("tiny", **then), "fp8"),
+        ("tiny-moe bf16 state", "run11", "server-moe-compiled-bf16-nolora.log", tiny_config("tiny-moe", **then), "auto"),
+        (
+            "35B-A3B width, 4 layers, bf16 state",
             "run13",
             "server-moe35-compiled-bf16-nolora.log",
-            tiny_config("qwen3.6-35b-a3b"),
+            tiny_config("qwen3.6-35b-a3b", **then),
             "auto",
         ),
     ]

@@ -173,6 +173,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P6", "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED"),
         ("P9", "NOT_APPLICABLE"),  # 0.20/0.21 never give padding rows expert id -1; applied before P7 (it wraps P9)
         ("P7", "APPLIED"),
+        ("P10", "NOT_APPLICABLE"),  # 0.20/0.21 route every warm-up row to a real expert
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -248,6 +249,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
         "P7": "APPLIED",
         "P9": "NOT_APPLICABLE",  # 0.20/0.21 never give padding rows expert id -1
+        "P10": "NOT_APPLICABLE",  # nor do they skip idle exl3_moe launches
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -290,7 +292,10 @@ def test_fixed_release_is_left_alone(overlay):
     # P9 from 0.23.0 (padding rows' expert id -1); 0.22.0's routers do not give it
     padding_ids = APHRODITE_VERSION != "0.22.0"
     assert results["P9"].status.value == ("APPLIED" if padding_ids else "NOT_APPLICABLE"), results["P9"].reason
-    applied = 7 if padding_ids else 6
+    # P10 from 0.24.0 (exl3_moe skips idle launches); 0.22/0.23 launch the kernel whatever the rows
+    skips_idle = APHRODITE_VERSION not in ("0.22.0", "0.23.0")
+    assert results["P10"].status.value == ("APPLIED" if skips_idle else "NOT_APPLICABLE"), results["P10"].reason
+    applied = 6 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 

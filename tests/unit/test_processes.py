@@ -78,6 +78,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
             "P7": "APPLIED",
             "P9": "NOT_APPLICABLE",
+            "P10": "NOT_APPLICABLE",
         }
         applied = 6 if APHRODITE_VERSION == "0.20.0" else 7
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
@@ -90,6 +91,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P7"] == "APPLIED"  # EXL3 experts over the kernel's capacity in a CUDA graph
         # padding rows' expert id -1, from 0.23.0 (0.22.0's routers do not give it)
         assert out["results"]["P9"] == ("NOT_APPLICABLE" if APHRODITE_VERSION == "0.22.0" else "APPLIED")
+        # the fused kernel's context before the first capture, from 0.24.0 (idle launches skipped)
+        idle_launch = APHRODITE_VERSION in ("0.22.0", "0.23.0")
+        assert out["results"]["P10"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -291,6 +295,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P6": "UPSTREAM_FIXED",
         "P7": "UPSTREAM_FIXED",
         "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding_ids.py reads it
+        "P10": "NOT_APPLICABLE",  # 0010 applies to 0.24.1, where tests/unit/test_p10_moe_context.py reads it
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(
