@@ -90,16 +90,14 @@ CELLS = {
     # 0.0025, 16 at once 0.185); the control must be right alone and wrong with requests at once
     "moe-compiled-bf16-nolora-noP7": (False, (), [], {"HYBRID_EXL3_FIXES_DISABLE": "P7"}, "wrong"),
     "moe-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
-    # P10 off: on 0.24+ no eager call launches the fused kernel (every warm-up row is padding, and the kernel
-    # skips idle launches), so its device context is first allocated inside the first capture, which stops the
-    # start (docs/upstream/exl3-moe-context-in-capture.md); earlier releases have nothing to disable and serve
-    "moe-compiled-bf16-nolora-noP10": (
-        False,
-        (),
-        [],
-        {"HYBRID_EXL3_FIXES_DISABLE": "P10"},
-        ("operation failed due to a previous error during capture",) if aphrodite_minor() >= (0, 24) else "serve",
-    ),
+    # P10 off, the issue's configuration (LoRA on, default compiled mode): serves on every release. On 0.24+ no
+    # warm-up launches the fused kernel with work (every row is padding and the kernel skips idle launches), but
+    # the dense EXL3 layers' GEMM allocates exllamav3's device context in the eager warm-ups before the first
+    # capture (run 16); the method captured alone, with nothing else before it, does fail without P10
+    # (tests/upstream/tests/kernels/moe/test_exl3_moe_context_capture.py; docs/upstream/exl3-moe-context-in-capture.md)
+    "moe-compiled-bf16-lora-noP10": (True, ADAPTERS, [], {"HYBRID_EXL3_FIXES_DISABLE": "P10"}, "serve"),
+    # the checkpoint make-tiny wrote before it set mamba_ssm_dtype (GDN state in bfloat16), beside the float32 cells
+    "moebf16-compiled-bf16-lora": (True, ADAPTERS, [], {}, "serve"),
     # the same, capturing piecewise graphs only (the default on 0.21.0 is FULL_AND_PIECEWISE): tells which
     # capture run 11's compiled servers stopped in
     "moe-compiled-piecewise-bf16-nolora": (
@@ -143,7 +141,11 @@ CELLS = {
 }
 MAIN = "moe-eager-bf16-lora"  # the runtime-adapter test's server (see the eager twins above)
 # each cell's checkpoint: make-tiny preset and folder under the work directory
-CHECKPOINTS = {"moe": ("tiny-moe", "server-moe"), "moe35": ("qwen3.6-35b-a3b", "server-moe35")}
+CHECKPOINTS = {
+    "moe": ("tiny-moe", "server-moe", {}),
+    "moebf16": ("tiny-moe", "server-moe-bf16state", {"ssm_dtype": None}),
+    "moe35": ("qwen3.6-35b-a3b", "server-moe35", {}),
+}
 
 
 def state_dtype(folder: Path) -> str:
@@ -170,10 +172,10 @@ def moe_models(workdir):
     from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     def folder(name: str) -> Path:
-        preset, sub = CHECKPOINTS[name]
+        preset, sub, overrides = CHECKPOINTS[name]
         dest = workdir / sub
         if not (dest / "manifest.json").exists():
-            write_tiny(dest, TinySpec.preset(preset), device="cuda" if name != "moe" else None)
+            write_tiny(dest, TinySpec.preset(preset, **overrides), device="cuda" if name == "moe35" else None)
         return dest
 
     return folder

@@ -129,16 +129,19 @@ Retire when: an aphrodite release treats expert id -1 as a skip in ``Exl3MoEMeth
 
 P10: EXL3 routed experts under CUDA-graph capture: the fused kernel's device context must exist before it.
 
-Why:     exllamav3's kernels allocate their device context lazily (``DevCtx::get_locks``: ``cudaMalloc`` +
-         ``cudaMemset`` on first use, csrc/quantization/exl3/exllamav3_ext/quant/exl3_devctx.cu). 0.24.0's
-         kernel update made ``exl3_moe`` return before that when no expert has work (``if (num_active == 0)
-         return;``, exl3_moe.cu, with ``num_active`` from ``Exl3MoEMethod.apply``), and since 0.23.0 every row of
-         a warm-up or profiling batch is padding, expert id -1 (P9 sends those to the kernel's spare slot). So no
-         eager call ever launches the fused kernel, and its first launch comes inside the first CUDA graph
-         captured (num_active = -1 there): the allocation invalidates the capture and the launch reports it,
-         ``operation failed due to a previous error during capture ... exl3_moe.cu 295``, ``Engine core
-         initialization failed``. Every EXL3 MoE model on 0.24.x in the default compiled mode, LoRA or not
-         (docs/upstream/exl3-moe-context-in-capture.md). 0.23.0 launches on every call and is not affected.
+Why:     exllamav3's kernels allocate their per-device context lazily (``DevCtx::get_locks``: ``cudaMalloc`` +
+         ``cudaMemset`` on first use, csrc/quantization/exl3/exllamav3_ext/quant/exl3_devctx.cu; the MoE kernel,
+         exl3_gemm and exl3_gemv share it). 0.24.0's kernel update made ``exl3_moe`` return before that when no
+         expert has work (``if (num_active == 0) return;``, exl3_moe.cu, ``num_active`` from
+         ``Exl3MoEMethod.apply``), and since 0.23.0 every row of a warm-up or profiling batch is padding, expert
+         id -1 (P9 sends those to the kernel's spare slot). So no eager call launches the fused kernel with work,
+         and where no other exllamav3 kernel ran eagerly either, its first launch comes inside a CUDA-graph
+         capture (num_active = -1 there): the allocation invalidates the capture and the launch reports it,
+         ``operation failed due to a previous error during capture ... exl3_moe.cu 295``. The method captured on
+         its own fails so on 0.24.1; a served model whose dense layers are EXL3 gets the context from their
+         eager exl3_gemm / exl3_gemv calls first and starts without P10 (docs/upstream/exl3-moe-context-in-capture.md
+         has both measurements). P10 makes the experts' capture independent of what else ran before it. 0.23.0
+         launches on every call and is not affected.
 How:     after the original ``process_weights_after_loading``, one eager call of the live ``apply`` with a few
          zero rows routed to real experts (weight 0) takes the fused kernel with work: the context is allocated
          and the kernel's shared-memory attribute set at load time. Per layer, once; nothing changes per step.
