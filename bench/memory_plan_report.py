@@ -162,7 +162,13 @@ def rows() -> list[dict]:
             "auto",
         ),
         ("tiny bf16 state, fp8 KV", "run10", "server-compiled-bf16-lora-fp8kv.log", tiny_config("tiny", **then), "fp8"),
-        ("tiny-moe bf16 state", "run11", "server-moe-compiled-bf16-nolora.log", tiny_config("tiny-moe", **then), "auto"),
+        (
+            "tiny-moe bf16 state",
+            "run11",
+            "server-moe-compiled-bf16-nolora.log",
+            tiny_config("tiny-moe", **then),
+            "auto",
+        ),
         (
             "35B-A3B width, 4 layers, bf16 state",
             "run13",

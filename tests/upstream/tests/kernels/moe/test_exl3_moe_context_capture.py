@@ -4,13 +4,14 @@ aphrodite's tests/kernels/moe/).
 
 Since 0.23.0 every row of a warm-up or profiling batch carries expert id -1 (APHRODITE_MOE_SKIP_PADDING), and
 since 0.24.0 ops.exl3_moe returns before it prepares exllamav3's device context when no expert has work
-(``num_active == 0``, exl3_moe.cu). A process whose only eager exllamav3 calls were padded EXL3 MoE calls therefore allocates that context
-(cudaMalloc + cudaMemset of the kernel's locks, shared with exl3_gemm / exl3_gemv) inside the first capture,
-which invalidates it: "operation failed due to a previous error during capture ... exl3_moe.cu" (0.24.1 on an
-H200). aphrodite's warm-ups and captures are padded exactly so; in a served model the dense EXL3 layers' GEMM
-usually allocates the context first, and this case isolates the experts from that. The device context is per process: each case runs in a fresh one, loaded and called as
-the engine's worker does (plugins loaded, ``process_weights_after_loading``, a padded warm-up, then the capture),
-and the captured graph, replayed on real routing, must give the eager answer.
+(``num_active == 0``, exl3_moe.cu). A process whose only eager exllamav3 calls were padded EXL3 MoE calls
+therefore allocates that context (cudaMalloc + cudaMemset of the kernel's locks, shared with exl3_gemm /
+exl3_gemv) inside the first capture, which invalidates it: "operation failed due to a previous error during
+capture ... exl3_moe.cu" (0.24.1 on an H200). aphrodite's warm-ups and captures are padded exactly so; in a served
+model the dense EXL3 layers' GEMM usually allocates the context first, and this case isolates the experts from
+that. The device context is per process: each case runs in a fresh one, loaded and called as the engine's worker
+does (plugins loaded, ``process_weights_after_loading``, a padded warm-up, then the capture), and the captured
+graph, replayed on real routing, must give the eager answer.
 """
 
 import json
