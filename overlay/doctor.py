@@ -666,6 +666,49 @@ def check_moe_padding(report: Report, shape: Shape, p9_status: str | None) -> No
     )
 
 
+def installed_version() -> str | None:
+    """The aphrodite-engine release importable here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("aphrodite") is None:
+        return None
+    from hybrid_exl3_fixes import aphrodite_version
+
+    return aphrodite_version()
+
+
+def check_moe_release(report: Report, shape: Shape, version: str | None) -> None:
+    """Whether a GPU run has served an EXL3 MoE model on the installed release with the overlay, and in which mode
+    (overlay/compat.py, the README's compatibility table). Silent where aphrodite is not installed here."""
+    from hybrid_exl3_fixes.compat import SERVED, moe_serving
+
+    entry = moe_serving(version)
+    if not is_exl3_moe(shape) or version is None:
+        return
+    served = ", ".join(SERVED)
+    if entry is None or entry.kind == "not run":
+        report.add(
+            "WARN",
+            "moe-release",
+            f"EXL3 MoE on aphrodite {version}: no GPU run has served one on this release yet (the overlay's fixes are "
+            f"tested on its code on the CPU); {served} serve in the default compiled mode with the overlay",
+        )
+    elif entry.kind == "compiled":
+        report.add(
+            "OK",
+            "moe-release",
+            f"EXL3 MoE on aphrodite {version}: serves in the default compiled mode ({entry.evidence})",
+        )
+    else:
+        report.add(
+            "WARN" if entry.kind == "eager" else "BLOCK",
+            "moe-release",
+            f"EXL3 MoE on aphrodite {version}: "
+            + ("serves only with --enforce-eager" if entry.kind == "eager" else "does not start")
+            + f" ({entry.evidence}); {served} serve in the default compiled mode with the overlay",
+        )
+
+
 def check_compiled_mode(
     report: Report, config: dict | Shape, enable_lora: bool, dtype: str = "auto", p4_status: str | None = None
 ) -> None:
@@ -814,6 +857,7 @@ def diagnose(
             check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
             check_moe_stream(report, shape, statuses.get("P6"))
             check_moe_padding(report, shape, statuses.get("P9"))
+            check_moe_release(report, shape, installed_version())
     report.plan = memory_plan(
         report,
         folder,
