@@ -159,3 +159,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fake_exl3_moe_layer(threshold=2, experts=4, top_k=2, hidden=16):
+    """The attributes ``Exl3MoEMethod.apply`` reads of its layer (0.23+), with CPU tensors: a fake input for the real
+    method, which then stops where the kernels are needed."""
+    import types
+
+    import torch
+    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return types.SimpleNamespace(
+        activation=MoEActivation.SILU,
+        expert_map=None,
+        apply_router_weight_on_input=False,
+        exl3_small_batch_threshold=threshold,
+        hidden_size=hidden,
+        local_num_experts=experts,
+        top_k=top_k,
+        exl3_gate_ptrs_trellis=torch.zeros(experts, dtype=torch.long),
+        exl3_moe_max_tokens_per_expert=128,
+        exl3_moe_short_token_threshold=0,
+        exl3_moe_short_max_tokens_per_expert=128,
+    )

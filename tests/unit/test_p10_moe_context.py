@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from helpers import APHRODITE_VERSION, needs_aphrodite
+from helpers import APHRODITE_VERSION, fake_exl3_moe_layer, needs_aphrodite
 
 pytestmark = needs_aphrodite
 
@@ -32,24 +32,6 @@ needs_idle_skip = pytest.mark.skipif(
 
 def p10():
     return importlib.import_module(MODULE)
-
-
-def layer(threshold=2, experts=4, top_k=2, hidden=16):
-    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
-
-    return types.SimpleNamespace(
-        activation=MoEActivation.SILU,
-        expert_map=None,
-        apply_router_weight_on_input=False,
-        exl3_small_batch_threshold=threshold,
-        hidden_size=hidden,
-        local_num_experts=experts,
-        top_k=top_k,
-        exl3_gate_ptrs_trellis=torch.zeros(experts, dtype=torch.long),
-        exl3_moe_max_tokens_per_expert=128,
-        exl3_moe_short_token_threshold=0,
-        exl3_moe_short_max_tokens_per_expert=128,
-    )
 
 
 class Recorder:
@@ -97,7 +79,7 @@ def test_the_warmup_gives_the_fused_kernel_work_and_nothing_else(experts, top_k,
     from aphrodite.model_executor.layers.quantization import exl3
 
     recorder = Recorder(inspect.signature(exl3.Exl3MoEMethod.apply))
-    the_layer = layer(threshold=threshold, experts=experts, top_k=top_k)
+    the_layer = fake_exl3_moe_layer(threshold=threshold, experts=experts, top_k=top_k)
     rows = p10().warm_fused_kernel(recorder.method, the_layer)
     ((x, weights, ids, kwargs),) = recorder.calls
     assert rows == x.shape[0] > max(1, threshold) and ids.shape == (rows, top_k)
@@ -114,7 +96,7 @@ def test_the_warmup_reaches_the_release_s_fused_kernel_call():
 
     method = object.__new__(exl3.Exl3MoEMethod)
     with pytest.raises(Exception) as caught:
-        p10().warm_fused_kernel(method, layer())
+        p10().warm_fused_kernel(method, fake_exl3_moe_layer())
     message = f"{type(caught.value).__name__}: {caught.value}"
     assert "_cuda_isCurrentStreamCapturing" in message or "EXL3 MoE kernel is not available" in message, message
 

@@ -12,12 +12,10 @@ got past the count. Fake inputs (a layer's attributes, tensors); aphrodite's mod
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from helpers import APHRODITE_VERSION, needs_aphrodite
+from helpers import APHRODITE_VERSION, fake_exl3_moe_layer, needs_aphrodite
 
 pytestmark = needs_aphrodite
 
@@ -38,22 +36,6 @@ def p9():
 def live_apply(overlay):
     module = p9()
     return {module.MOE_APPLY.key: overlay.REGISTRY._resolve(module.MOE_APPLY)}
-
-
-def layer(threshold=2, experts=4, hidden=16):
-    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
-
-    return types.SimpleNamespace(
-        activation=MoEActivation.SILU,
-        expert_map=None,
-        apply_router_weight_on_input=False,
-        exl3_small_batch_threshold=threshold,
-        hidden_size=hidden,
-        local_num_experts=experts,
-        exl3_moe_max_tokens_per_expert=128,
-        exl3_moe_short_token_threshold=0,
-        exl3_moe_short_max_tokens_per_expert=128,
-    )
 
 
 def padded_batch(rows=8, real=5, top_k=2, experts=4, hidden=16):
@@ -88,10 +70,10 @@ def test_the_release_cannot_count_a_padding_row(overlay):
     """The real apply, unpatched, fails on the expert count (on the GPU: the device-side assert of run 15)."""
     overlay.undo_all()
     assert p9().PATCH_P9.probe(live_apply(overlay)) is True
-    message = call_apply(*padded_batch(), layer())
+    message = call_apply(*padded_batch(), fake_exl3_moe_layer())
     assert "out of bounds" in message, message
     real_rows_only = padded_batch(rows=5, real=5)  # the same call without padding rows gets past the count
-    assert past_the_count(call_apply(*real_rows_only, layer()))
+    assert past_the_count(call_apply(*real_rows_only, fake_exl3_moe_layer()))
 
 
 @needs_padding_ids
@@ -119,7 +101,7 @@ def test_p9_alone_when_p7_is_switched_off(overlay, monkeypatch):
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P7")
     results = {r.patch.id: r.status.value for r in overlay.apply_all()}
     assert results["P9"] == "APPLIED" and results["P7"] == "DISABLED"
-    message = call_apply(*padded_batch(), layer())
+    message = call_apply(*padded_batch(), fake_exl3_moe_layer())
     assert past_the_count(message), message
 
 
@@ -134,7 +116,7 @@ def test_not_applicable_where_the_routers_never_give_minus_one(overlay):
 def test_every_padding_id_becomes_one_its_path_takes(rows):
     """Large batches: the spare last slot of the expert count (the kernel and the fallback read only the first
     ``local_num_experts``); one-token and small batches index the experts' pointer tables: a real expert."""
-    the_layer = layer(threshold=2, experts=4)
+    the_layer = fake_exl3_moe_layer(threshold=2, experts=4)
     _, _, ids = padded_batch(rows=rows, real=rows // 2, experts=4)
     safe = p9().padding_safe_ids(the_layer, rows, ids)
     real = ids >= 0

@@ -51,3 +51,12 @@ def exl3_moe_apply():
         method.process_weights_after_loading(layer)
     extra = (None,) * (len(inspect.signature(Exl3MoEMethod.apply).parameters) - 5)  # shared-expert arguments
     return lambda x, w, ids: method.apply(layer, x, w, ids, *extra)
+
+
+def routers_mark_padding() -> bool:
+    """Whether this release's routers give padding rows expert id -1 (0.23.0+: ``_get_padding_mask``)."""
+    try:
+        from aphrodite.model_executor.layers.fused_moe.router import fused_topk_router
+    except ImportError:  # 0.20, 0.21: no router package
+        return False
+    return hasattr(fused_topk_router, "_get_padding_mask")

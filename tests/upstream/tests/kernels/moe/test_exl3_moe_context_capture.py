@@ -22,20 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-
-def _routers_mark_padding() -> bool:
-    try:
-        from aphrodite.model_executor.layers.fused_moe.router import fused_topk_router
-    except ImportError:  # 0.20, 0.21: no router package
-        return False
-    return hasattr(fused_topk_router, "_get_padding_mask")
-
+from exl3_moe_layer import routers_mark_padding
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="EXL3 MoE kernels and CUDA graphs need CUDA"),
     pytest.mark.skipif(
-        not _routers_mark_padding(),
+        not routers_mark_padding(),
         reason="this release's warm-up batches route real experts (padding rows get expert id -1 from 0.23.0)",
     ),
 ]

@@ -10,21 +10,12 @@ padding rows pick real experts (rows are independent).
 
 import pytest
 import torch
-from exl3_moe_layer import EXPERTS, HIDDEN, TOP_K, exl3_moe_apply
-
-
-def _routers_mark_padding() -> bool:
-    try:
-        from aphrodite.model_executor.layers.fused_moe.router import fused_topk_router
-    except ImportError:  # 0.20, 0.21: no router package
-        return False
-    return hasattr(fused_topk_router, "_get_padding_mask")
-
+from exl3_moe_layer import EXPERTS, HIDDEN, TOP_K, exl3_moe_apply, routers_mark_padding
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="EXL3 MoE kernels need CUDA"),
     pytest.mark.skipif(
-        not _routers_mark_padding(), reason="this release's routers never give padding rows expert id -1 (0.23.0+ do)"
+        not routers_mark_padding(), reason="this release's routers never give padding rows expert id -1 (0.23.0+ do)"
     ),
 ]
 
