@@ -49,7 +49,6 @@ ROW = ("o_proj", "down_proj", "out_proj")
 DEFAULT_LONGEST_EDGE = 16_777_216
 # --dtype values aphrodite accepts, by the activation dtype they give (auto: the config's)
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "half", "float32", "float")
-FLOAT16 = ("float16", "half")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32", "half", "float", "auto")
 COMPILED_CRASH_DOC = "docs/upstream/exl3-compiled-illegal-address.md"
 
@@ -273,10 +272,11 @@ def read_weights(report: Report, folder: Path) -> dict[str, dict]:
     return tensors
 
 
-def kv_bytes_per_token(shape: Shape, kv_dtype: str) -> tuple[int, str]:
+def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> tuple[int, str]:
+    """KV bytes per token over the full-attention layers; ``auto`` keeps the cache in the activations' ``dtype``."""
     full = shape.full_layers
     heads, dim = shape.kv_heads or 0, shape.head_dim or 0
-    width = 1 if kv_dtype.startswith("fp8") else 2
+    width = 1 if kv_dtype.startswith("fp8") else memplan.dtype_bytes(dtype if kv_dtype == "auto" else kv_dtype)
     return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
 
 
@@ -507,7 +507,7 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     """The dtype the engine computes in, and where it comes from: ``--dtype``, else the config's
     (aphrodite's ``auto``; a float32 or absent config dtype gives bfloat16 on a GPU that has it)."""
     if dtype != "auto":
-        return ("float16" if dtype in FLOAT16 else dtype), f"--dtype {dtype}"
+        return memplan.canonical_dtype(dtype), f"--dtype {dtype}"
     declared = shape.declared_dtype
     if declared in ("bfloat16", "float16"):
         return declared, f"config.json dtype {declared}"
@@ -890,7 +890,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
             report.add("WARN", "memory", "no memory plan: config.json lacks the fields above")
         return {}
-    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype)
+    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype, eng.dtype)
     recurrent, conv, state_formula = state_bytes_per_sequence(shape, eng.dtype)
     per_seq_state = recurrent + conv
     weights = sum(t["bytes"] for t in tensors.values())

@@ -42,6 +42,19 @@ MIB = 1 << 20
 BIG_GPU_GIB = 70  # get_batch_defaults: >= 70 GiB (and not an A100) gets the large batch defaults
 REDUNDANCY = 150 * MIB  # gpu_worker.py: the margin the engine leaves in its own --kv-cache-memory advice
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# --dtype's other spellings (aphrodite config/model.py: ModelDType and _STR_DTYPE_TO_TORCH_DTYPE, 0.20 - 0.24.1)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def canonical_dtype(name: str) -> str:
+    """``half`` -> ``float16``, ``float`` -> ``float32``; any other name as given."""
+    return DTYPE_ALIASES.get(name, name)
+
+
+def dtype_bytes(name: str, default: int = 2) -> int:
+    """Bytes per value of a dtype or cache dtype name, aliases included (``default`` for a name not listed)."""
+    return DTYPE_BYTES.get(canonical_dtype(name), default)
+
 
 # Measured on the H200 (run 11, docs/gpu-results.md "memory plan"); see each term for what they stand for.
 NON_TORCH = int(0.27 * GIB)  # non-torch increase during profiling at TP 1 (cuBLAS/Triton workspaces)
@@ -102,8 +115,8 @@ def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]
     if not (shape.linear_layers and shape.gdn):
         return 0, 0, 0, 0
     g = shape.gdn
-    width = DTYPE_BYTES.get(dtype, 2)
-    ssm = DTYPE_BYTES.get(shape.ssm_dtype or "", width)
+    width = dtype_bytes(dtype)
+    ssm = dtype_bytes(shape.ssm_dtype or "", width)
     conv_dim = (2 * g["key_heads"] * g["key_dim"] + g["value_heads"] * g["value_dim"]) // tp
     recurrent = g["value_heads"] // tp * g["value_dim"] * g["key_dim"] * ssm
     return recurrent, conv_dim * (g["kernel"] - 1) * width, ssm, width
@@ -111,7 +124,7 @@ def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]
 
 def kv_layout(shape, eng: Engine) -> dict:
     """Page sizes, block size and groups of the hybrid KV cache (per rank)."""
-    kv_bytes = DTYPE_BYTES.get(eng.kv_dtype, 2) if eng.kv_dtype != "auto" else DTYPE_BYTES[eng.dtype]
+    kv_bytes = dtype_bytes(eng.kv_dtype) if eng.kv_dtype != "auto" else dtype_bytes(eng.dtype)
     kv_heads = max(1, (shape.kv_heads or 0) // eng.tp) if shape.full_layers else 0
     per_token = 2 * kv_heads * (shape.head_dim or 0) * kv_bytes
     recurrent, conv, ssm_bytes, _ = gdn_state_bytes(shape, eng.dtype, eng.tp)

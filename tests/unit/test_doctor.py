@@ -222,3 +222,31 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
     compiled = [f for f in out["findings"] if f["check"] == "compiled-mode"]
     assert [f["level"] for f in compiled] == ["WARN"] and "--dtype float16" in compiled[0]["message"]
     assert code == out["exit_code"] == 1
+
+
+@pytest.mark.parametrize(
+    "dtype, width",
+    [("auto", 2), ("bfloat16", 2), ("float16", 2), ("half", 2), ("float32", 4), ("float", 4)],
+)
+def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width):
+    """Each --dtype aphrodite accepts (config/model.py ModelDType) gives a plan: ``float`` is float32 and ``half``
+    float16, and the KV cache (``auto``) and the conv state are kept in that dtype, in the plan's figures and in its
+    printed formula alike."""
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    args = ["doctor", str(tmp_path / "t" / "exl3"), "--language-model-only", "--gpu-mem", "24", "--dtype", dtype]
+    code = main([*args, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == out["exit_code"] in (0, 1), out["findings"]
+    plan = out["plan"]
+    assert plan["kv_bytes_per_token"] == 1 * 2 * 256 * 2 * width  # tiny: 1 full layer, 2 KV heads of 256
+    assert plan["kv_formula"].endswith(f"x {width} B")
+    assert plan["layout"]["block_size"] > 0 and plan["kv_cache_tokens"] > 0
+    expected = {"auto": "bfloat16", "half": "float16", "float": "float32"}.get(dtype, dtype)
+    assert plan["engine"]["dtype"] == expected
+    assert plan["conv_state_bytes_per_sequence"] == 3 * 1024 * 3 * width  # 3 GDN layers x 1024 channels x 3
+    main(args)
+    printed = capsys.readouterr().out
+    assert f"x 2 (K,V) x {width} B" in printed and "unexpected" not in printed
