@@ -55,7 +55,7 @@ def apply_all() -> list[Result]:
 
 def undo_all() -> list[str]:
     """Restore every original this process replaced, newest first; returns the undone ids."""
-    return [patch.id for patch in reversed(PATCHES) if REGISTRY.undo(patch)]
+    return REGISTRY.undo_all()
 
 
 def status() -> list[Result]:

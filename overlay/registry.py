@@ -57,6 +57,11 @@ class Drift(Exception):
     """A target is not what the patch was written against; the message says what differs."""
 
 
+class UndoOrder(RuntimeError):
+    """``undo`` of a patch that a later one still wraps or replaced over: undoing it first would restore the state
+    before both and leave the later one's result claiming APPLIED."""
+
+
 class BrokenInstall(Exception):
     """An aphrodite module cannot be imported because a package outside aphrodite is missing or broken."""
 
@@ -178,7 +183,8 @@ class Registry:
     def __init__(self, patches: list[Patch]):
         self.patches = patches
         self.results: dict[str, Result] = {}
-        self._undo: dict[str, list[_Saved]] = {}
+        # one stack across patches, in the order they were applied: undo is last in, first out
+        self._stack: list[tuple[str, list[_Saved]]] = []
 
     # -- switches -------------------------------------------------------------------------
     @staticmethod
@@ -333,7 +339,7 @@ class Registry:
         if still_buggy:
             self._restore(saved)
             return Result(patch, Status.FAILED, "the probe still sees the bug after patching; rolled back")
-        self._undo[patch.id] = saved
+        self._stack.append((patch.id, saved))
         return Result(patch, Status.APPLIED, f"replaced {len(replaced)} attribute(s)", replaced)
 
     @staticmethod
@@ -351,13 +357,31 @@ class Registry:
             else:
                 delattr(item.owner, item.name)
 
+    def applied_ids(self) -> list[str]:
+        """The patches this registry replaced attributes for, oldest first."""
+        return [patch_id for patch_id, _ in self._stack]
+
     def undo(self, patch: Patch) -> bool:
-        saved = self._undo.pop(patch.id, None)
-        if saved is None:
+        """Restore what ``patch`` replaced; False when it replaced nothing here. Raises ``UndoOrder`` (and changes
+        nothing) while a patch applied after it is still in place: undo those first, or call ``undo_all``."""
+        ids = self.applied_ids()
+        if patch.id not in ids:
             return False
+        later = ids[ids.index(patch.id) + 1 :]
+        if later:
+            raise UndoOrder(
+                f"{patch.id} cannot be undone while {', '.join(later)} (applied after it) is in place: "
+                f"undo {later[-1]} first, or undo all"
+            )
+        _, saved = self._stack.pop()
         self._restore(saved)
         self.results.pop(patch.id, None)
         return True
+
+    def undo_all(self) -> list[str]:
+        """Undo every applied patch, newest first; returns their ids in that order."""
+        by_id = {patch.id: patch for patch in self.patches}
+        return [patch_id for patch_id in reversed(self.applied_ids()) if self.undo(by_id[patch_id])]
 
 
 def wrapper_chain(function: Any) -> list:

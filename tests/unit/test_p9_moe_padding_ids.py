@@ -97,6 +97,33 @@ def test_p9_lets_the_padding_rows_through_and_undo_restores_the_release(overlay)
 
 
 @needs_padding_ids
+def test_undo_of_p9_under_p7_is_refused_and_changes_nothing(overlay):
+    """P7 wraps P9's wrapper of the same ``Exl3MoEMethod.apply``: undoing P9 first would restore the release's
+    apply under P7's result. The registry refuses it, naming what is on top, and undoes in reverse order."""
+    from aphrodite.model_executor.layers.quantization import exl3
+
+    from hybrid_exl3_fixes.registry import UndoOrder
+
+    original = vars(exl3.Exl3MoEMethod)["apply"]
+    results = {r.patch.id: r for r in overlay.apply_all()}
+    patches = {p.id: p for p in overlay.PATCHES}
+    outer = vars(exl3.Exl3MoEMethod)["apply"]
+    with pytest.raises(UndoOrder, match="P9 cannot be undone while .*P7"):
+        overlay.REGISTRY.undo(patches["P9"])
+    assert vars(exl3.Exl3MoEMethod)["apply"] is outer  # nothing restored
+    assert overlay.REGISTRY.results["P7"] is results["P7"] and overlay.REGISTRY.results["P9"] is results["P9"]
+    assert "P9" in overlay.REGISTRY.applied_ids()
+    for later in reversed(overlay.REGISTRY.applied_ids()[overlay.REGISTRY.applied_ids().index("P9") + 1 :]):
+        assert overlay.REGISTRY.undo(patches[later])
+    assert [
+        getattr(f, "__hybrid_exl3_fixes_patch__", None) for f in p9().wrapper_chain(vars(exl3.Exl3MoEMethod)["apply"])
+    ] == ["P9", None]
+    assert overlay.REGISTRY.undo(patches["P9"]) and vars(exl3.Exl3MoEMethod)["apply"] is original
+    assert "P9" not in overlay.REGISTRY.results and not overlay.REGISTRY.undo(patches["P9"])
+    overlay.undo_all()
+
+
+@needs_padding_ids
 def test_p9_alone_when_p7_is_switched_off(overlay, monkeypatch):
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P7")
     results = {r.patch.id: r.status.value for r in overlay.apply_all()}

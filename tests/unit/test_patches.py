@@ -217,7 +217,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
 
     fresh = Registry(overlay.PATCHES)
     # (P3 has nothing to patch in this CI tree: no compiled kernels; see test_p3_gemm_cache.py)
-    again = {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3" and p.id in overlay.REGISTRY._undo}
+    again = {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3" and p.id in overlay.REGISTRY.applied_ids()}
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
@@ -329,3 +329,20 @@ def test_p2_gives_exl3_moe_layers_their_device_on_every_release(overlay, routed_
     assert overlay.REGISTRY.apply(PATCH).status.value == "APPLIED"
     for site in (utils, base_linear, fused_moe):
         assert site._get_lora_device(layer) == torch.device("meta")
+
+
+def test_undo_is_last_in_first_out(overlay):
+    """One undo stack across patches: a patch under later ones is not undone (UndoOrder, nothing changed), and
+    undo_all restores them newest first."""
+    from hybrid_exl3_fixes.registry import UndoOrder
+
+    overlay.apply_all()
+    applied = overlay.REGISTRY.applied_ids()
+    if len(applied) < 2:
+        pytest.skip(f"aphrodite {APHRODITE_VERSION}: fewer than two patches applied ({applied})")
+    first = next(p for p in overlay.PATCHES if p.id == applied[0])
+    with pytest.raises(UndoOrder, match=f"{first.id} cannot be undone while"):
+        overlay.REGISTRY.undo(first)
+    assert overlay.REGISTRY.applied_ids() == applied
+    assert overlay.undo_all() == applied[::-1]
+    assert overlay.REGISTRY.applied_ids() == []
