@@ -43,7 +43,7 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
     from hybrid_exl3_fixes.exl3 import codec, dispatch
 
     dev = torch.device("cuda:0")

@@ -35,7 +35,7 @@ def main() -> None:
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
     from helpers import exl3_linear_layer
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
     from hybrid_exl3_fixes.exl3 import codec, dispatch
 
     flags = p13.CODEBOOK_FLAGS

@@ -22,7 +22,7 @@ from helpers import APHRODITE_VERSION, fake_exl3_moe_layer, needs_aphrodite
 
 pytestmark = needs_aphrodite
 
-MODULE = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3"
+MODULE = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3.p10_moe_context"
 IDLE_SKIP_RELEASES = ("0.24.0", "0.24.1")  # exl3_moe(num_active): the kernel skips idle launches
 needs_idle_skip = pytest.mark.skipif(
     APHRODITE_VERSION not in IDLE_SKIP_RELEASES,

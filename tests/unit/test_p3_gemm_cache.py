@@ -101,7 +101,7 @@ def test_probe_and_apply_in_process(overlay, monkeypatch):
     class attribute is the tagged wrapper, and undo restores the raw original."""
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
 
     version = APHRODITE_VERSION if APHRODITE_VERSION in EXPECTED else "0.21.0"
     monkeypatch.setattr(dispatch, "installed_kernel_libraries", lambda: [kernel_library(version)])
@@ -127,7 +127,7 @@ BLIND = dispatch.ProbeVerdict(True, True, "test")
 def plan(monkeypatch):
     """P3's module with a fresh planner and warning flag; returns it."""
     pytest.importorskip("aphrodite.model_executor.layers.quantization.exl3", reason="needs aphrodite")
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p13
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
 
     monkeypatch.setattr(p13, "PLANNER", dispatch.Planner())
     monkeypatch.setattr(p13, "_warned", False)

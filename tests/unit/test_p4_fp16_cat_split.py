@@ -52,7 +52,7 @@ def fused_gdn_layer(exl3, method, device="meta"):
 def test_unpatched_apply_hands_inductor_a_bare_cat_in_float16(overlay):
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p4
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p4_fp16_cat as p4
 
     ops = p4.ops_of_fp16_fused_apply(exl3.Exl3LinearMethod.apply)
     assert ops.count("aphrodite.exl3_linear_one.default") == 2
@@ -65,7 +65,7 @@ def test_unpatched_apply_hands_inductor_a_bare_cat_in_float16(overlay):
 def test_overlay_joins_float16_shards_behind_an_op_boundary(overlay):
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p4
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p4_fp16_cat as p4
 
     original = exl3.Exl3LinearMethod.apply
     method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0, head_bits=None, tensor_storage={}))
@@ -92,7 +92,7 @@ def test_every_other_call_reaches_the_original_apply(overlay, case):
     mgemm kernels go to aphrodite's own apply: the overlay changes only the float16 fused case."""
     import aphrodite.model_executor.layers.quantization.exl3 as exl3
 
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization import exl3 as p4
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p4_fp16_cat as p4
 
     seen = []
     original = exl3.Exl3LinearMethod.apply
@@ -115,7 +115,7 @@ def test_inductor_folds_split_of_cat_and_the_overlay_join_keeps_the_strides():
     is rewritten to those outputs, so the piece before the splitting op returns z with its own row
     stride, and the piece after it (compiled for the cat's) computes garbage; bfloat16 (a cast in
     between) and the overlay's cat_last_dim keep the traced strides and match eager exactly."""
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import cat_last_dim
+    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3.p4_fp16_cat import cat_last_dim
 
     r = repro()
     plain = r.run(64, fp16=True)

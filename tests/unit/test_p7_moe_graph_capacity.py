@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from helpers import needs_aphrodite
+from hybrid_exl3_fixes.registry import wrapper_chain
 
 pytestmark = needs_aphrodite
 
-P7 = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3"
+P7 = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3.p7_moe_graph"
 
 
 def p7():
@@ -46,7 +47,7 @@ def test_p7_wraps_the_real_method_and_undo_restores_it(overlay):
     result = {r.patch.id: r for r in overlay.apply_all()}["P7"]
     assert result.status.value == "APPLIED", result.reason
     wrapper = vars(exl3.Exl3MoEMethod)["apply"]
-    assert wrapper is not original and p7().wrapper_chain(wrapper)[-1] is original  # P9 between them on 0.23+
+    assert wrapper is not original and wrapper_chain(wrapper)[-1] is original  # P9 between them on 0.23+
     assert wrapper.__hybrid_exl3_fixes_patch__ == "P7"
     assert p7().PATCH_P7.probe(live_apply(overlay)) is False  # re-probed: its chunks are safe
     overlay.undo_all()

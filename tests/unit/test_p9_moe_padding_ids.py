@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from helpers import APHRODITE_VERSION, fake_exl3_moe_layer, needs_aphrodite
+from hybrid_exl3_fixes.registry import wrapper_chain
 
 pytestmark = needs_aphrodite
 
-MODULE = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3"
+MODULE = "hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3.p9_moe_padding"
 PADDING_RELEASES = ("0.23.0", "0.24.0", "0.24.1")  # APHRODITE_MOE_SKIP_PADDING in the fused top-k routers
 needs_padding_ids = pytest.mark.skipif(
     APHRODITE_VERSION not in PADDING_RELEASES,
@@ -85,7 +86,7 @@ def test_p9_lets_the_padding_rows_through_and_undo_restores_the_release(overlay)
     assert results["P9"].status.value == "APPLIED", results["P9"].reason
     assert results["P7"].status.value == "APPLIED", results["P7"].reason
     outer = vars(exl3.Exl3MoEMethod)["apply"]
-    chain = p9().wrapper_chain(outer)
+    chain = wrapper_chain(outer)
     # P7 outermost (it chunks captured batches), P9 under it (each chunk sanitised for its own size), then the release
     assert [getattr(f, "__hybrid_exl3_fixes_patch__", None) for f in chain] == ["P7", "P9", None]
     assert chain[-1] is original
@@ -116,7 +117,7 @@ def test_undo_of_p9_under_p7_is_refused_and_changes_nothing(overlay):
     for later in reversed(overlay.REGISTRY.applied_ids()[overlay.REGISTRY.applied_ids().index("P9") + 1 :]):
         assert overlay.REGISTRY.undo(patches[later])
     assert [
-        getattr(f, "__hybrid_exl3_fixes_patch__", None) for f in p9().wrapper_chain(vars(exl3.Exl3MoEMethod)["apply"])
+        getattr(f, "__hybrid_exl3_fixes_patch__", None) for f in wrapper_chain(vars(exl3.Exl3MoEMethod)["apply"])
     ] == ["P9", None]
     assert overlay.REGISTRY.undo(patches["P9"]) and vars(exl3.Exl3MoEMethod)["apply"] is original
     assert "P9" not in overlay.REGISTRY.results and not overlay.REGISTRY.undo(patches["P9"])
