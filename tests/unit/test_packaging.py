@@ -46,7 +46,7 @@ def test_wheel_contents_and_entry_points(tmp_path):
         "hybrid_exl3_fixes/__init__.py",
         "hybrid_exl3_fixes/registry.py",
         "hybrid_exl3_fixes/cli.py",
-        "hybrid_exl3_fixes/doctor.py",
+        "hybrid_exl3_fixes/doctor/__init__.py",
         "hybrid_exl3_fixes/exl3/codec.py",
         "hybrid_exl3_fixes/exl3/tiny.py",
         "hybrid_exl3_fixes/build_stubs/builder.py",

@@ -1,0 +1,257 @@
+"""``hybrid-exl3-fixes doctor MODEL_DIR``: preflight for hybrid GDN (+EXL3) deployments.
+
+Reads only the model folder's JSON files and the safetensors headers (no weights are loaded).
+Findings are OK / WARN / BLOCK; exit 0 (all ok), 1 (warnings), 2 (a blocking problem).
+
+The memory plan counts what a hybrid model really holds:
+- per-token KV only in the full-attention layers:
+  ``full_layers x kv_heads x head_dim x 2 (K and V) x bytes(kv dtype)``;
+- per-sequence recurrent state in each linear-attention (GatedDeltaNet) layer, independent of context:
+  ``value_heads x key_head_dim x value_head_dim x bytes`` (the activations' dtype unless the config's
+  ``mamba_ssm_dtype`` says otherwise: aphrodite 0.21, run 11's block size) plus the conv state
+  ``(2 x key_dim + value_dim) x (conv_kernel - 1) x 2 bytes``;
+- weights exactly as stored (EXL3 trellis, scales and markers counted from the safetensors headers);
+- given ``--gpu-mem``, the engine's own arithmetic to its KV pool, tokens and concurrency (memplan.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..memplan import Engine
+from .base import (
+    COLUMN,
+    COMPILED_CRASH_DOC,
+    CONFIG_DTYPES,
+    DEFAULT_LONGEST_EDGE,
+    DTYPE_CHOICES,
+    GIB,
+    KNOWN_ARCHS,
+    MIB,
+    PROCESSOR_FILES,
+    ROW,
+    TOKENIZER_SETS,
+    Finding,
+    Report,
+)
+from .engine_checks import (
+    MOE_GRAPH_DOC,
+    MOE_LORA_DOC,
+    MOE_PADDING_DOC,
+    MOE_STREAM_DOC,
+    activation_dtype,
+    check_compiled_mode,
+    check_moe_graphs,
+    check_moe_lora,
+    check_moe_padding,
+    check_moe_release,
+    check_moe_stream,
+    installed_version,
+    is_exl3_moe,
+    without_fix,
+)
+from .exl3_checks import check_exl3, check_exl3_experts, codebook_of
+from .files import check_files, image_tokens, read_tensor_storage, read_weights, weight_files
+from .plan import kv_bytes_per_token, memory_plan, state_bytes_per_sequence
+from .shape import FIX_CONFIG, Shape, parse_config, read_config, text_config
+
+__all__ = [
+    "COLUMN",
+    "COMPILED_CRASH_DOC",
+    "CONFIG_DTYPES",
+    "DEFAULT_LONGEST_EDGE",
+    "DTYPE_CHOICES",
+    "FIX_CONFIG",
+    "Finding",
+    "GIB",
+    "KNOWN_ARCHS",
+    "MIB",
+    "MOE_GRAPH_DOC",
+    "MOE_LORA_DOC",
+    "MOE_PADDING_DOC",
+    "MOE_STREAM_DOC",
+    "PROCESSOR_FILES",
+    "ROW",
+    "Report",
+    "Shape",
+    "TOKENIZER_SETS",
+    "activation_dtype",
+    "as_json",
+    "check_compiled_mode",
+    "check_exl3",
+    "check_exl3_experts",
+    "check_files",
+    "check_moe_graphs",
+    "check_moe_lora",
+    "check_moe_padding",
+    "check_moe_release",
+    "check_moe_stream",
+    "codebook_of",
+    "diagnose",
+    "image_tokens",
+    "installed_version",
+    "is_exl3_moe",
+    "kv_bytes_per_token",
+    "memory_plan",
+    "overlay_status",
+    "parse_config",
+    "read_config",
+    "read_tensor_storage",
+    "read_weights",
+    "render",
+    "state_bytes_per_sequence",
+    "text_config",
+    "weight_files",
+    "without_fix",
+]
+
+
+def overlay_status(report: Report) -> dict[str, str]:
+    """Adds the overlay's summary; returns {patch id: status} (empty when it cannot be evaluated)."""
+    try:
+        import hybrid_exl3_fixes as overlay
+
+        results = overlay.status()
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
+        return {}
+    drifted = [r for r in results if r.is_problem]
+    gate = overlay.plugin_gate()
+    if gate:  # the table is what it would do; the engine will run without it
+        report.add("WARN", "overlay", f"aphrodite will not load the overlay: {gate}")
+        return {r.patch.id: f"not loaded ({gate})" for r in results}
+    report.add("WARN" if drifted else "OK", "overlay", overlay.summary(results))
+    return {r.patch.id: r.status.value for r in results}
+
+
+def diagnose(
+    model_dir: str | Path,
+    gpu_mem: float | None = None,
+    gpus: int = 1,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    kv_dtype: str = "auto",
+    utilization: float = 0.92,
+    language_model_only: bool = False,
+    check_overlay: bool = True,
+    enable_lora: bool = False,
+    dtype: str = "auto",
+    max_num_batched_tokens: int | None = None,
+    enforce_eager: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+) -> Report:
+    """Every check on the folder, each problem one finding (a broken input never stops the others)."""
+    folder = Path(model_dir)
+    report = Report(str(folder))
+    if not folder.is_dir():
+        what = (
+            "is a file, not a folder: give the folder that holds config.json" if folder.exists() else "does not exist"
+        )
+        report.add("BLOCK", "config", f"{folder} {what}")
+        return report
+    try:
+        next(folder.iterdir(), None)
+    except OSError as exc:
+        report.add("BLOCK", "config", f"{folder} cannot be listed: {exc.strerror or exc}")
+        return report
+    config, shape = read_config(report, folder)
+    shape = shape or Shape()
+    check_files(report, folder, shape, language_model_only)
+    tensors = read_weights(report, folder)
+    if not tensors and not any(f.check == "weights" for f in report.findings):
+        report.add("WARN", "weights", "no *.safetensors in the folder: the weight plan below is empty")
+    if config is not None:
+        check_exl3(report, folder, shape, tensors, tp)
+    counts = {t: shape.layer_types.count(t) for t in sorted(set(shape.layer_types))}
+    report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
+    if check_overlay:
+        statuses = overlay_status(report)
+        if config is not None:
+            check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
+            check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
+            check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
+            check_moe_stream(report, shape, statuses.get("P6"))
+            check_moe_padding(report, shape, statuses.get("P9"))
+            check_moe_release(report, shape, installed_version())
+    report.plan = memory_plan(
+        report,
+        folder,
+        shape,
+        tensors,
+        gpu_mem,
+        gpus,
+        Engine(
+            gpu_mem or 0,
+            tp=tp,
+            utilization=utilization,
+            max_model_len=max_model_len or shape.max_position or 4096,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_dtype=kv_dtype,
+            dtype=activation_dtype(shape, dtype)[0],
+            eager=enforce_eager,
+            lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            language_model_only=language_model_only,
+        ),
+    )
+    return report
+
+
+def render(report: Report) -> str:
+    lines = [f"hybrid-exl3-fixes doctor: {report.model}"]
+    lines += [f"  {f.level:<5} {f.check:<13} {f.message}" for f in report.findings]
+    p = report.plan
+    if p:
+        lines.append("memory plan:")
+        lines.append(f"  KV per token        {p['kv_bytes_per_token'] / 1024:,.1f} KiB   = {p['kv_formula']}")
+        lines.append(f"  state per sequence  {p['state_bytes_per_sequence'] / MIB:,.2f} MiB   = {p['state_formula']}")
+        lines.append(
+            f"  weights             {p['weight_bytes'] / GIB:,.3f} GiB (EXL3 {p['exl3_weight_bytes'] / GIB:,.3f} GiB, "
+            f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB)"
+        )
+        lines.append(f"  image tokens        {p['image_formula']}")
+        if "expert_formula" in p:
+            lines.append(
+                f"  experts             {p['active_expert_bytes_per_token'] / MIB:,.1f} MiB read per token = "
+                f"{p['expert_formula']}"
+            )
+        if "kv_pool_bytes" in p:
+            lines.append(f"  engine              {p['engine']['defaults']}")
+            for name, t in p["terms"].items():
+                sign = "" if name == "requested" else "- "
+                lines.append(f"  {sign + name:<19} {t['gib']:>7.3f} GiB = {t['formula']} [{t['basis']}]")
+            lines.append(f"  = KV pool           {p['kv_pool_bytes'] / GIB:7.3f} GiB per GPU")
+            lines.append(f"  KV layout           {p['layout']['formula']}")
+            lines.append(
+                f"  capacity            {p['kv_cache_tokens']:,} tokens, concurrency {p['max_concurrency']:.2f}x at "
+                f"{p['context']:,} tokens = {p['concurrency_formula']}"
+            )
+            lines.append(
+                f"  pin after a start   --kv-cache-memory {p['pin_kv_cache_memory']:,} (this plan's pool less the "
+                "engine's 150 MiB margin; prefer the figure the engine logs)"
+            )
+            if not p["engine"]["enforce_eager"]:
+                lines.append(
+                    f"  pin at least        --kv-cache-memory {p['min_kv_cache_memory_for_graphs']:,} with CUDA graphs "
+                    f"(one Mamba cache block per sequence: {p['engine']['max_num_seqs']:,} x "
+                    f"{p['layout']['page_bytes']:,} B x {p['layout']['group_size']})"
+                )
+    lines.append({0: "result: ok", 1: "result: warnings", 2: "result: blocking problems"}[report.exit_code])
+    return "\n".join(lines)
+
+
+def as_json(report: Report) -> str:
+    return json.dumps(
+        {
+            "model": report.model,
+            "exit_code": report.exit_code,
+            "findings": [f.__dict__ for f in report.findings],
+            "plan": report.plan,
+        },
+        indent=2,
+    )

@@ -1,0 +1,46 @@
+"""Findings, the report they make up, and the units doctor counts in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+MIB = 1 << 20
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+TOKENIZER_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+KNOWN_ARCHS = {
+    "Qwen3_5ForConditionalGeneration": "aphrodite >= 0.20",
+    "Qwen3_5MoeForConditionalGeneration": "aphrodite >= 0.20",
+    "Qwen3_5ForCausalLM": "aphrodite >= 0.23 (text-only checkpoints do not load in 0.21)",
+    "Qwen3NextForCausalLM": "aphrodite >= 0.20",
+}
+# Column-parallel projections split their output across TP ranks, row-parallel ones their input.
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz")
+ROW = ("o_proj", "down_proj", "out_proj")
+DEFAULT_LONGEST_EDGE = 16_777_216
+# --dtype values aphrodite accepts, by the activation dtype they give (auto: the config's)
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+CONFIG_DTYPES = ("bfloat16", "float16", "float32", "half", "float", "auto")
+COMPILED_CRASH_DOC = "docs/upstream/exl3-compiled-illegal-address.md"
+
+
+@dataclass
+class Finding:
+    level: str  # OK | WARN | BLOCK
+    check: str
+    message: str
+
+
+@dataclass
+class Report:
+    model: str
+    findings: list[Finding] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+
+    def add(self, level: str, check: str, message: str) -> None:
+        self.findings.append(Finding(level, check, message))
+
+    @property
+    def exit_code(self) -> int:
+        levels = {f.level for f in self.findings}
+        return 2 if "BLOCK" in levels else 1 if "WARN" in levels else 0

@@ -1,0 +1,142 @@
+"""The memory plan: KV and GDN state per token and sequence, and the engine's own arithmetic (memplan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import memplan
+from ..memplan import Engine
+from .base import GIB, Report
+from .files import image_tokens
+from .shape import Shape
+
+
+def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> tuple[int, str]:
+    """KV bytes per token over the full-attention layers; ``auto`` keeps the cache in the activations' ``dtype``."""
+    full = shape.full_layers
+    heads, dim = shape.kv_heads or 0, shape.head_dim or 0
+    width = 1 if kv_dtype.startswith("fp8") else memplan.dtype_bytes(dtype if kv_dtype == "auto" else kv_dtype)
+    return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
+
+
+def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int, int, str]:
+    """The GDN state of one sequence, over every linear-attention layer (memplan.gdn_state_bytes per layer)."""
+    linear = shape.linear_layers
+    if not linear or shape.gdn is None:
+        return 0, 0, "no linear-attention layers"
+    g = shape.gdn
+    recurrent, conv, ssm, width = memplan.gdn_state_bytes(shape, dtype)
+    source = "mamba_ssm_dtype" if shape.ssm_dtype else dtype
+    return (
+        linear * recurrent,
+        linear * conv,
+        (
+            f"{linear} linear layers x ({g['value_heads']} value heads x {g['key_dim']} x {g['value_dim']} x {ssm} B "
+            f"recurrent ({source}) + {2 * g['key_heads'] * g['key_dim'] + g['value_heads'] * g['value_dim']} conv "
+            f"channels x {g['kernel'] - 1} x {width} B)"
+        ),
+    )
+
+
+def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_mem, gpus, eng: Engine) -> dict:
+    """The plan's terms, each with its formula; empty when config.json lacks what a term needs."""
+    if not (shape.kv_ready and shape.state_ready):
+        if shape.layer_types or any(f.check == "config" and f.level == "BLOCK" for f in report.findings):
+            report.add("WARN", "memory", "no memory plan: config.json lacks the fields above")
+        return {}
+    kv_tok, kv_formula = kv_bytes_per_token(shape, eng.kv_dtype, eng.dtype)
+    recurrent, conv, state_formula = state_bytes_per_sequence(shape, eng.dtype)
+    per_seq_state = recurrent + conv
+    weights = sum(t["bytes"] for t in tensors.values())
+    exl3_weights = sum(
+        t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1")
+    )
+    vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
+    expert_weights = sum(t["bytes"] for n, t in tensors.items() if ".mlp.experts." in n)
+    img_tokens, img_formula = image_tokens(report, folder, shape, eng.language_model_only)
+    plan = {
+        "kv_bytes_per_token": kv_tok,
+        "kv_formula": kv_formula,
+        "recurrent_state_bytes_per_sequence": recurrent,
+        "conv_state_bytes_per_sequence": conv,
+        "state_bytes_per_sequence": per_seq_state,
+        "state_formula": state_formula,
+        "weight_bytes": weights,
+        "exl3_weight_bytes": exl3_weights,
+        "vision_weight_bytes": vision_weights,
+        "image_tokens_per_image": img_tokens,
+        "image_formula": img_formula,
+    }
+    if shape.moe and shape.moe["experts"] and shape.moe["per_token"]:
+        m = shape.moe
+        plan.update(
+            {
+                "expert_weight_bytes": expert_weights,
+                "active_expert_bytes_per_token": expert_weights * m["per_token"] // m["experts"],
+                "expert_formula": f"routed experts {expert_weights / GIB:.3f} GiB; {m['per_token']} of "
+                f"{m['experts']} experts read per token per layer",
+            }
+        )
+    if not gpu_mem:
+        return plan
+    engine = memplan.plan(shape, tensors, eng, exl3=bool(exl3_weights))
+    cap = engine["capacity"]
+    pool = engine["available_kv_bytes"]
+    plan.update(
+        {
+            "engine": engine["engine"],
+            "terms": engine["terms"],
+            "layout": engine["layout"],
+            "capacity": cap,
+            "kv_pool_bytes": pool,
+            "context": eng.max_model_len,
+            "kv_cache_tokens": cap["kv_cache_tokens"],
+            "max_concurrency": cap["max_concurrency"],
+            "max_concurrency_at_context": min(int(cap["max_concurrency"]), eng.max_num_seqs),
+            "pin_kv_cache_memory": engine["pin_kv_cache_memory"],
+            # the smallest --kv-cache-memory whose blocks cover --max-num-seqs (CUDA graphs: see the check below)
+            "min_kv_cache_memory_for_graphs": eng.max_num_seqs
+            * engine["layout"]["page_bytes"]
+            * engine["layout"]["group_size"],
+            "replicas": max(1, gpus // eng.tp),
+            "pool_formula": "requested - " + " - ".join(k for k in engine["terms"] if k != "requested"),
+            "concurrency_formula": cap["formula"],
+        }
+    )
+    context = eng.max_model_len
+    if pool <= 0:
+        report.add(
+            "BLOCK",
+            "memory",
+            f"weights, activations and CUDA graphs ({engine['non_kv_bytes'] / GIB:.2f} GiB) do not fit in "
+            f"{gpu_mem:g} GiB x {eng.utilization:g} per GPU at TP {eng.tp}",
+        )
+    elif cap["max_concurrency"] < 1:
+        report.add(
+            "BLOCK",
+            "memory",
+            f"not one sequence of {context:,} tokens fits in the KV pool of {pool / GIB:.2f} GiB: the engine "
+            "refuses to start; lower --max-model-len",
+        )
+    elif not eng.eager and cap["blocks"] < eng.max_num_seqs:
+        # config/compilation.py (0.20.0-0.24.1, from vLLM #34094): with FULL decode graphs every decode sequence needs
+        # one Mamba cache block, checked after the profiling run. Run 14 (H200, the 27B at full depth, pool pinned
+        # at 16 GiB): "max_num_seqs (1024) exceeds available Mamba cache blocks (655)", the plan's 655 exactly
+        report.add(
+            "BLOCK",
+            "memory",
+            f"the KV pool of {pool / GIB:.2f} GiB holds {cap['blocks']:,} cache blocks and --max-num-seqs is "
+            f"{eng.max_num_seqs:,}: with CUDA graphs each decode sequence needs one Mamba cache block, so the "
+            f'engine stops after its profiling run ("max_num_seqs ({eng.max_num_seqs}) exceeds available Mamba '
+            f'cache blocks ({cap["blocks"]})"); pass --max-num-seqs {cap["blocks"]} or less, give it more memory, '
+            "or use --enforce-eager",
+        )
+    else:
+        report.add(
+            "OK",
+            "memory",
+            f"KV pool {pool / GIB:.2f} GiB per GPU: {cap['kv_cache_tokens']:,} tokens, concurrency "
+            f"{cap['max_concurrency']:.2f}x at {context:,} tokens; after the first start pin the engine's own "
+            "figure with --kv-cache-memory (it skips profiling and survives other processes' memory)",
+        )
+    return plan
