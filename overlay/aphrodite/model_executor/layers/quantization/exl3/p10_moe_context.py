@@ -38,11 +38,9 @@ from hybrid_exl3_fixes.registry import (
     NotApplicable,
     Patch,
     Target,
-    logger,
-    tag,
 )
 
-from .common import MODULE, source_tree
+from .common import MODULE, after_loading, source_tree
 from .p9_moe_padding import marks_padding_rows
 
 MOE_LOAD = Target(MODULE, "Exl3MoEMethod.process_weights_after_loading", params=("self", "layer"))
@@ -130,21 +128,11 @@ def warm_fused_kernel(method, layer) -> int:
 
 def build_moe_context_warmup(live: dict[str, Live]) -> dict[str, Any]:
     original = live[MOE_LOAD.key].function
-
-    def process_weights_after_loading(self, layer):
-        original(self, layer)
-        try:
-            warm_fused_kernel(self, layer)
-        except Exception:  # never fail a load that upstream would have finished
-            logger.warning(
-                "hybrid-exl3-fixes: P10 could not launch the EXL3 MoE kernel for %s at load time; CUDA-graph "
-                "capture may stop at exl3_moe.cu (docs/upstream/exl3-moe-context-in-capture.md). --enforce-eager "
-                "avoids it",
-                getattr(layer, "layer_name", type(layer).__name__),
-                exc_info=True,
-            )
-
-    return {MOE_LOAD.key: tag("P10", process_weights_after_loading, original)}
+    failure = (
+        "hybrid-exl3-fixes: P10 could not launch the EXL3 MoE kernel for %s at load time; CUDA-graph capture may "
+        "stop at exl3_moe.cu (docs/upstream/exl3-moe-context-in-capture.md). --enforce-eager avoids it"
+    )
+    return {MOE_LOAD.key: after_loading("P10", original, warm_fused_kernel, failure, "layer_name")}
 
 
 PATCH_P10 = Patch(

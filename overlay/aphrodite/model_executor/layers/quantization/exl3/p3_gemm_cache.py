@@ -40,10 +40,9 @@ from hybrid_exl3_fixes.registry import (
     Patch,
     Target,
     logger,
-    tag,
 )
 
-from .common import MODULE
+from .common import MODULE, after_loading
 
 PROCESS_WEIGHTS = Target(MODULE, "Exl3LinearMethod.process_weights_after_loading", params=("self", "layer"))
 
@@ -73,19 +72,8 @@ def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
 
 def build_load_time_plan(live: dict[str, Live]) -> dict[str, Any]:
     original = live[PROCESS_WEIGHTS.key].function
-
-    def process_weights_after_loading(self, layer):
-        original(self, layer)
-        try:
-            plan_layer(self, layer)
-        except Exception:  # never fail a load that upstream would have finished
-            logger.warning(
-                "hybrid-exl3-fixes: P3 could not plan %s; it keeps aphrodite's own path",
-                getattr(layer, "prefix", type(layer).__name__),
-                exc_info=True,
-            )
-
-    return {PROCESS_WEIGHTS.key: tag("P3", process_weights_after_loading, original)}
+    failure = "hybrid-exl3-fixes: P3 could not plan %s; it keeps aphrodite's own path"
+    return {PROCESS_WEIGHTS.key: after_loading("P3", original, plan_layer, failure, "prefix")}
 
 
 def codebook_of(layer, shard_id) -> str:
