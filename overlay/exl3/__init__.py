@@ -1,4 +1,5 @@
-"""The EXL3 format: a reference codec (codec.py) and a tiny-checkpoint writer (tiny.py).
+"""The EXL3 format: a reference codec (codec.py) and a tiny-checkpoint writer (tiny.py, with
+tinyspec.py, tinystate.py and tinyfiles.py).
 
 Facts that need no torch live here, so torch-free tools (doctor) can use them."""
 

@@ -30,23 +30,10 @@ import os
 from pathlib import Path
 
 from . import codec
-from .tiny import (
-    QWEN36_35B_A3B_LAYER,
-    Draw,
-    TinySpec,
-    _check,
-    _global_state,
-    _layer_state,
-    _write_adapter,
-    add_leaf_entries,
-    exl3_storage_entry,
-    folder_files,
-    hf_config,
-    layer_projections,
-    progress,
-    write_configs,
-    write_staged,
-)
+from .tiny import progress, write_staged
+from .tinyfiles import folder_files, write_configs
+from .tinyspec import QWEN36_35B_A3B_LAYER, TinySpec, _check, hf_config, layer_projections
+from .tinystate import Draw, _global_state, _layer_state, _write_adapter, add_leaf_entries, exl3_storage_entry
 
 _FOUR = ("linear_attention",) * 3 + ("full_attention",)
 FULL_PRESETS: dict[str, dict] = {

@@ -49,6 +49,7 @@ def test_wheel_contents_and_entry_points(tmp_path):
         "hybrid_exl3_fixes/doctor/__init__.py",
         "hybrid_exl3_fixes/exl3/codec.py",
         "hybrid_exl3_fixes/exl3/tiny.py",
+        "hybrid_exl3_fixes/exl3/tinyspec.py",
         "hybrid_exl3_fixes/build_stubs/builder.py",
         "hybrid_exl3_fixes/aphrodite/model_executor/layers/quantization/exl3/__init__.py",
         "hybrid_exl3_fixes/aphrodite/model_executor/layers/quantization/exl3/p10_moe_context.py",
