@@ -1,4 +1,5 @@
-"""hybrid-exl3-fixes command line: ``status``, ``make-tiny``, ``stubs``, ``doctor``."""
+"""hybrid-exl3-fixes: the overlay's command line. status: what each patch does in this aphrodite; doctor: preflight a
+model folder and plan its memory; make-tiny: write a tiny synthetic EXL3 checkpoint; stubs: a libcuda stub for WSL2."""
 
 from __future__ import annotations
 
@@ -268,7 +269,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every subcommand and flag), parsed by ``main``."""
     from hybrid_exl3_fixes.doctor import DTYPE_CHOICES  # torch-free, light
 
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
@@ -284,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
     tiny = sub.add_parser(
-        "make-tiny", help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters"
+        "make-tiny",
+        help="write a tiny synthetic EXL3 Qwen3.5 hybrid, its dense twin and two LoRA adapters",
+        description="Writes DIR/exl3 (the EXL3 checkpoint in the form exllamav3 writes: config, safetensors, "
+        "quantization_config.json, tokenizer, chat template), DIR/dense (its exact dense twin, for HF "
+        "transformers), DIR/lora-a and DIR/lora-b (PEFT adapters; the MoE presets add DIR/lora-experts) and "
+        "DIR/manifest.json. Downloads nothing.",
     )
     tiny.add_argument("dir", help="a new (or empty) folder")
     tiny.add_argument(
@@ -292,10 +299,19 @@ def main(argv: list[str] | None = None) -> int:
         type=positive_int,
         dest="bits_given",
         default=None,
+        metavar="K",
         help="EXL3 bitrate K, 1..8 (default 4; the full-depth presets set their own)",
     )
-    tiny.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1", "mixed"])
-    tiny.add_argument("--seed", type=non_negative_int, default=0)
+    tiny.add_argument(
+        "--codebook",
+        default="mcg",
+        choices=["3inst", "mcg", "mul1", "mixed"],
+        help="EXL3 codebook of every quantized projection (mixed: 3inst, mcg and mul1 in turn, P3's case; "
+        "default mcg, the one aphrodite's MoE kernel takes on every release)",
+    )
+    tiny.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of every random tensor (same seed, same bytes)"
+    )
     tiny.add_argument("--tp", type=positive_int, default=2, help="largest tensor-parallel size to stay 128-aligned for")
     tiny.add_argument(
         "--device",
@@ -341,13 +357,22 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser(
         "doctor",
         help="preflight a hybrid GDN (+EXL3) model folder and plan its memory",
-        description="Exit 0: ok; 1: warnings; 2: blocking problems.",
+        description="Reads the folder's JSON files and safetensors headers (no weights), checks them against the "
+        "installed aphrodite and this overlay, and, given --gpu-mem, plans the engine's memory. Exit 0: ok; "
+        "1: warnings; 2: blocking problems.",
     )
-    doctor.add_argument("model_dir")
+    doctor.add_argument("model_dir", help="the model folder aphrodite will be given (config.json, *.safetensors)")
     doctor.add_argument("--gpu-mem", type=positive_float, help="GiB per GPU (enables the KV pool and concurrency plan)")
-    doctor.add_argument("--gpus", type=positive_int, default=1)
+    doctor.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="GPUs on the machine: replicas = GPUS // TP in the plan (--tp is the engine's own flag)",
+    )
     doctor.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    doctor.add_argument("--max-model-len", type=positive_int)
+    doctor.add_argument(
+        "--max-model-len", type=positive_int, help="as given to the engine (default: the config's max positions)"
+    )
     doctor.add_argument(
         "--max-num-seqs", type=positive_int, help="default: the engine's (1024 on a GPU of >= 70 GiB, else 256)"
     )
@@ -383,8 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(DTYPE_CHOICES),
         help="the engine's --dtype (default auto: the config's); float16 activations decide the compiled-mode check",
     )
-    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--json", action="store_true", help="print the findings and the plan as JSON")
     doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if not getattr(args, "json", False):

@@ -250,3 +250,21 @@ def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width):
     main(args)
     printed = capsys.readouterr().out
     assert f"x 2 (K,V) x {width} B" in printed and "unexpected" not in printed
+
+
+def test_every_flag_has_help():
+    """doctor --help and make-tiny --help describe what they do and every argument (argparse prints nothing for an
+    argument without help, and a metavar made from its dest)."""
+    import argparse
+
+    from hybrid_exl3_fixes import cli
+
+    parser = cli.build_parser()
+    assert "``" not in parser.description
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("doctor", "make-tiny"):
+        sub = subparsers.choices[name]
+        assert sub.description, name
+        missing = [a.dest for a in sub._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+        assert missing == [], (name, missing)
+        assert "_GIVEN" not in sub.format_help(), name
