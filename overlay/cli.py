@@ -11,6 +11,14 @@ import sys
 
 EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED, EXIT_BROKEN_INSTALL = 0, 1, 2, 3
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in this tool, not in the user's input
+
+
+def patch_number(patch_id: str) -> tuple[int, str]:
+    """Display order, P1 < P2 < P2b < ... < P10 (the registry applies P9 before P7, which wraps it)."""
+    digits = "".join(c for c in patch_id[1:] if c.isdigit())
+    return int(digits or 0), patch_id
+
+
 DEBUG_ENV = "HYBRID_EXL3_FIXES_DEBUG"
 
 
@@ -109,7 +117,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows = [("patch", "status", "upstream", "fixed in", "reason")]
         rows += [
             (f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
-            for r in results
+            for r in sorted(results, key=lambda r: patch_number(r.patch.id))
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         for row in rows:
@@ -119,7 +127,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"WARNING: aphrodite will not load the overlay: {gate}. The table shows what it would do.")
         if broken:
             print(f"ERROR: the aphrodite install is broken, not the patches: {broken[0].reason}")
-        print(f"Off switch: {overlay.DISABLE_ENV}=1 (all) or ={','.join(p.id for p in overlay.PATCHES)} (some).")
+        ids = sorted((p.id for p in overlay.PATCHES), key=patch_number)
+        print(f"Off switch: {overlay.DISABLE_ENV}=1 (all) or ={','.join(ids)} (some).")
     if broken:
         return EXIT_BROKEN_INSTALL
     if drifted:

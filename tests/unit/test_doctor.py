@@ -268,3 +268,13 @@ def test_every_flag_has_help():
         missing = [a.dest for a in sub._actions if not isinstance(a, argparse._HelpAction) and not a.help]
         assert missing == [], (name, missing)
         assert "_GIVEN" not in sub.format_help(), name
+
+
+def test_status_lists_patches_by_number():
+    """status prints P1 .. P10 in number order, though the registry applies P9 before P7 (P7 wraps it)."""
+    import hybrid_exl3_fixes as overlay
+    from hybrid_exl3_fixes.cli import patch_number
+
+    ids = [p.id for p in overlay.PATCHES]
+    assert ids.index("P9") < ids.index("P7")  # the apply order
+    assert sorted(ids, key=patch_number) == ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P9", "P10"]
