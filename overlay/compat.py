@@ -14,6 +14,7 @@ from typing import NamedTuple
 class MoeServing(NamedTuple):
     kind: str
     evidence: str
+    same_as: str | None = None  # a release whose sources this one shares and whose GPU runs stand for it
 
 
 MOE_SERVING: dict[str, MoeServing] = {
@@ -23,14 +24,17 @@ MOE_SERVING: dict[str, MoeServing] = {
     ),
     "0.22.0": MoeServing("not run", "CPU suite only"),
     "0.23.0": MoeServing("not run", "CPU suite only"),
-    "0.24.0": MoeServing("compiled", "as 0.24.1, whose Python sources and kernel library it shares; not run itself"),
+    "0.24.0": MoeServing(
+        "compiled", "as 0.24.1, whose Python sources and kernel library it shares; not run itself", same_as="0.24.1"
+    ),
     "0.24.1": MoeServing(
         "compiled",
         "LoRA off and on, alone and 16 at once, within 0.032 of HF + PEFT; H200, run 16 (eager within 0.028 on "
         "2026-12-02)",
     ),
 }
-SERVED = [v for v, s in MOE_SERVING.items() if s.kind == "compiled" and "not run itself" not in s.evidence]
+# the releases a GPU run itself served in the default compiled mode
+SERVED = [v for v, s in MOE_SERVING.items() if s.kind == "compiled" and s.same_as is None]
 
 
 def moe_serving(version: str | None) -> MoeServing | None:

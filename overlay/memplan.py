@@ -56,6 +56,13 @@ def dtype_bytes(name: str, default: int = 2) -> int:
     return DTYPE_BYTES.get(canonical_dtype(name), default)
 
 
+def kv_value_bytes(kv_dtype: str, dtype: str) -> int:
+    """Bytes per KV value: any fp8 cache dtype 1; ``auto`` keeps the cache in the activations' ``dtype``."""
+    if kv_dtype.startswith("fp8"):
+        return 1
+    return dtype_bytes(dtype if kv_dtype == "auto" else kv_dtype)
+
+
 # Measured on the H200 (run 11, docs/gpu-results.md "memory plan"); see each term for what they stand for.
 NON_TORCH = int(0.27 * GIB)  # non-torch increase during profiling at TP 1 (cuBLAS/Triton workspaces)
 LOAD_OVERHEAD = 30 * MIB  # model loading beyond the tensors: fixed part ...
@@ -124,7 +131,7 @@ def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]
 
 def kv_layout(shape, eng: Engine) -> dict:
     """Page sizes, block size and groups of the hybrid KV cache (per rank)."""
-    kv_bytes = dtype_bytes(eng.kv_dtype) if eng.kv_dtype != "auto" else dtype_bytes(eng.dtype)
+    kv_bytes = kv_value_bytes(eng.kv_dtype, eng.dtype)
     kv_heads = max(1, (shape.kv_heads or 0) // eng.tp) if shape.full_layers else 0
     per_token = 2 * kv_heads * (shape.head_dim or 0) * kv_bytes
     recurrent, conv, ssm_bytes, _ = gdn_state_bytes(shape, eng.dtype, eng.tp)

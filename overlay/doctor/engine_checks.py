@@ -187,9 +187,9 @@ def check_moe_release(report: Report, shape: Shape, version: str | None) -> None
     (overlay/compat.py, the README's compatibility table). Silent where aphrodite is not installed here."""
     from hybrid_exl3_fixes.compat import SERVED, moe_serving
 
-    entry = moe_serving(version)
     if not is_exl3_moe(shape) or version is None:
         return
+    entry = moe_serving(version)
     served = ", ".join(SERVED)
     if entry is None or entry.kind == "not run":
         report.add(

@@ -15,7 +15,7 @@ def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> 
     """KV bytes per token over the full-attention layers; ``auto`` keeps the cache in the activations' ``dtype``."""
     full = shape.full_layers
     heads, dim = shape.kv_heads or 0, shape.head_dim or 0
-    width = 1 if kv_dtype.startswith("fp8") else memplan.dtype_bytes(dtype if kv_dtype == "auto" else kv_dtype)
+    width = memplan.kv_value_bytes(kv_dtype, dtype)
     return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
 
 
