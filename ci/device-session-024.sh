@@ -9,18 +9,21 @@
 #           adapter's refusal, and the overlay off, which records 0.24's own first error)
 #   upstream/ tests/upstream with the overlay (P7's, P9's and P10's EXL3 MoE drop-ins among them); HXF_V24_UPSTREAM=0: not run
 #   control-noP10/, control-raw/  HXF_V24_CONTROLS=1: P10's drop-in with P10 off and with aphrodite as released
+# HXF_V24_OUT: the results folder (default /tmp/hxf-out/v24; a second session on the same machine names its own).
+# HXF_TRACE_EXL3_MOE=1: every ops.exl3_moe call logged by the servers (docs/upstream/repro/trace_exl3_moe/).
 # Results under /tmp/hxf-out/v24/; /tmp/hxf-out/v24.done is touched at the end, whatever happens (other jobs'
 # benchmarks wait for it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=/tmp/hxf-out/v24 SITE=/tmp/devsite24
+ROOT="${HXF_V24_OUT:-/tmp/hxf-out/v24}" SITE=/tmp/devsite24
 mkdir -p "$ROOT"
 trap 'touch /tmp/hxf-out/v24.done' EXIT
 [ -d "$SITE/site/aphrodite" ] || { echo "v24: $SITE/site has no aphrodite: run .devstage-0.24/install/install.sh first"; exit 3; }
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH"
 # this project installed once (two ci/gpu.sh installing into one --target at once would race), then HXF_SITE=""
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE/site" . 2>&1 | grep -v "^WARNING: Target" | tail -3
-export PYTHONPATH="$SITE/site:$SITE/torch" HXF_SITE="" HXF_PORT_OFFSET=1000
+TRACE=""; [ "${HXF_TRACE_EXL3_MOE:-0}" = 1 ] && TRACE="$PWD/docs/upstream/repro/trace_exl3_moe:"
+export PYTHONPATH="$TRACE$SITE/site:$SITE/torch" HXF_SITE="" HXF_PORT_OFFSET=1000
 export TRITON_CACHE_DIR=/tmp/hxf-triton-cache24 HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-600}"
 echo "== $(date -u +%FT%TZ) v24: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__, torch.version.cuda)' 2>&1 | tail -1)"
 suite() {  # NAME TEST CELLS ("none": the suite does not run)

@@ -93,7 +93,7 @@ CELLS = {
     # P10 off, the configuration (LoRA on, default compiled mode): serves on every release. On 0.24+ no
     # warm-up launches the fused kernel with work (every row is padding and the kernel skips idle launches), but
     # the dense EXL3 layers' GEMM allocates exllamav3's device context in the eager warm-ups before the first
-    # capture (run 16); the method captured alone, with nothing else before it, does fail without P10
+    # capture; the method captured alone, with nothing else before it, does fail without P10
     # (tests/upstream/tests/kernels/moe/test_exl3_moe_context_capture.py; docs/upstream/exl3-moe-context-in-capture.md)
     "moe-compiled-bf16-lora-noP10": (True, ADAPTERS, [], {"HYBRID_EXL3_FIXES_DISABLE": "P10"}, "serve"),
     # the checkpoint make-tiny wrote before it set mamba_ssm_dtype (GDN state in bfloat16), beside the float32 cells

@@ -1,4 +1,6 @@
-"""Diagnostic (run 16): log every eager launch of aphrodite._custom_ops.exl3_moe before the first capture."""
+"""Diagnostic: logs the first eager and captured calls of aphrodite._custom_ops.exl3_moe (rows, num_active, whether
+the stream captures) and the first eager caller's stack; put this folder on a server's PYTHONPATH
+(docs/upstream/exl3-moe-context-in-capture.md)."""
 
 import importlib.abc
 import importlib.util
