@@ -272,9 +272,17 @@ def cudagraph_bytes(shape, eng: Engine) -> tuple[int, str]:
     )
 
 
+def is_mtp(name: str) -> bool:
+    """A tensor of the MTP head: aphrodite's Qwen3.5 loaders skip every ``mtp.*`` tensor (0.20-0.23
+    ``skip_prefixes``, 0.24 ``orig_to_new_prefix {"mtp.": None}``) unless MTP speculative decoding loads
+    them as a draft model, so they take no memory in the served model."""
+    return name.startswith("mtp.")
+
+
 def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     """Every term per rank, the predicted available KV memory, and what the engine will report."""
     layers = len(shape.layer_types)
+    tensors = {n: t for n, t in tensors.items() if not is_mtp(n)}
     vision = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
     stored = sum(t["bytes"] for t in tensors.values()) - (vision if eng.language_model_only else 0)
     lora, lora_formula = lora_bytes(shape, eng)

@@ -212,7 +212,9 @@ def render(report: Report) -> str:
         lines.append(f"  state per sequence  {p['state_bytes_per_sequence'] / MIB:,.2f} MiB   = {p['state_formula']}")
         lines.append(
             f"  weights             {p['weight_bytes'] / GIB:,.3f} GiB (EXL3 {p['exl3_weight_bytes'] / GIB:,.3f} GiB, "
-            f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB)"
+            f"vision {p['vision_weight_bytes'] / GIB:,.3f} GiB"
+            + (f", MTP head {p['mtp_weight_bytes'] / GIB:,.3f} GiB, not loaded" if p.get("mtp_weight_bytes") else "")
+            + ")"
         )
         lines.append(f"  image tokens        {p['image_formula']}")
         if "expert_formula" in p:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import memplan
-from ..memplan import Engine
+from ..memplan import Engine, is_mtp
 from .base import GIB, Report
 from .files import image_tokens
 from .shape import Shape
@@ -52,6 +52,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         t["bytes"] for n, t in tensors.items() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh", "mcg", "mul1")
     )
     vision_weights = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
+    mtp_weights = sum(t["bytes"] for n, t in tensors.items() if is_mtp(n))
     expert_weights = sum(t["bytes"] for n, t in tensors.items() if ".mlp.experts." in n)
     img_tokens, img_formula = image_tokens(report, folder, shape, eng.language_model_only)
     plan = {
@@ -64,6 +65,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         "weight_bytes": weights,
         "exl3_weight_bytes": exl3_weights,
         "vision_weight_bytes": vision_weights,
+        "mtp_weight_bytes": mtp_weights,
         "image_tokens_per_image": img_tokens,
         "image_formula": img_formula,
     }

@@ -6,7 +6,8 @@ much host memory and hours of CPU time. Any bit pattern is a valid EXL3 trellis,
 and every unquantized tensor are drawn on ``device`` (the GPU) from a generator seeded by the spec, one
 decoder layer at a time, and each layer is saved as a shard of its own before the next is drawn: host
 memory holds one layer. No dense twin (it would be the size of the bf16 model). The folder is what
-``tiny.py`` writes otherwise (configs in exllamav3's form, tokenizer, chat template, tensor_storage),
+``tiny.py`` writes otherwise (configs in exllamav3's form, tokenizer, chat template, processor configs,
+tensor_storage, the MTP head in the last shard),
 plus ``model.safetensors.index.json`` as sharded checkpoints have it; it is written into a temporary
 sibling and renamed into place.
 
@@ -32,8 +33,16 @@ from pathlib import Path
 from . import codec
 from .tiny import progress, write_staged
 from .tinyfiles import folder_files, write_configs
-from .tinyspec import QWEN36_35B_A3B_LAYER, TinySpec, _check, hf_config, layer_projections
-from .tinystate import Draw, _global_state, _layer_state, _write_adapter, add_leaf_entries, exl3_storage_entry
+from .tinyspec import QWEN36_35B_A3B_LAYER, TinySpec, _check, hf_config, layer_projections, mtp_projections
+from .tinystate import (
+    Draw,
+    _global_state,
+    _layer_state,
+    _write_adapter,
+    add_leaf_entries,
+    exl3_storage_entry,
+    mtp_state,
+)
 
 _FOUR = ("linear_attention",) * 3 + ("full_attention",)
 FULL_PRESETS: dict[str, dict] = {
@@ -120,7 +129,7 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
     folder = tmp / "exl3"
     folder_files(folder, spec)
     layers = len(spec.layer_types)
-    names = [f"model-{i + 1:05d}-of-{layers + 2:05d}.safetensors" for i in range(layers + 2)]
+    names = [f"model-{i + 1:05d}-of-{layers + 3:05d}.safetensors" for i in range(layers + 3)]
     storage, weight_map, total = {}, {}, 0
 
     def save(state: dict, index: int) -> None:
@@ -152,6 +161,13 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
         }
         storage["lm_head"] = exl3_storage_entry(head, "lm_head", spec.head_bits, "mcg")
     save(head, layers + 1)
+    # the MTP head in a shard of its own, as exllamav3 quantizes it (tinyspec.mtp_projections)
+    state = mtp_state(spec, draw)
+    for prefix, fin, fout in mtp_projections(spec):
+        cb, on, at = (spec.expert_codebook, expert_gen, "cpu") if ".experts." in prefix else ("mcg", gen, device)
+        state.update({f"{prefix}.{k}": v for k, v in random_exl3(fin, fout, spec.mtp_bits, cb, on, torch, at).items()})
+        storage[prefix] = exl3_storage_entry(state, prefix, spec.mtp_bits, cb)
+    save(state, layers + 2)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )

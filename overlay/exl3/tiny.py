@@ -7,10 +7,13 @@ must reproduce the dense model's outputs up to fp16 arithmetic.
 Layout written under ``DIR``::
 
     exl3/       config.json (+quantization_config), quantization_config.json (tensor_storage),
-                model.safetensors, tokenizer files, chat_template.jinja, generation_config.json
+                model.safetensors, tokenizer files, chat_template.jinja, generation_config.json,
+                preprocessor_config.json, video_preprocessor_config.json
                                                              -> aphrodite, quantization="exl3"
     dense/      the same model with the decoded weights (float32), same tokenizer -> HF reference
     lora-a/, lora-b/   PEFT LoRA adapters (rank 8, non-zero B) over the EXL3 projections
+    lora-ab/    the same targets plus the GDN in_proj_a / in_proj_b (as megatron-swift and VeOmni
+                adapters for Qwen3.5/3.6 carry them)
     manifest.json      what was written (bits, codebook per layer, seed, modules)
 
 Which projections are EXL3 follows exllamav3's Qwen3.5 layout: GDN ``in_proj_qkv`` (q+k+v
@@ -21,10 +24,13 @@ the vision tower stay unquantized (lm_head: ``head_bits`` null, since aphrodite 
 
 What the EXL3 folder holds follows what exllamav3 1.6.5 writes for a Qwen3.5/3.6 source model
 (``conversion/compile.py``, checked against its sources in tests/unit/test_exllamav3_layout.py):
-- config.json is the source model's, with ``quantization_config`` added (and
-  ``tie_word_embeddings`` false): its ``dtype`` stays the source's, ``bfloat16`` for every published
-  Qwen3.5/3.6 model, so that is the default here (``dtype="float16"`` writes the checkpoints this
-  project used before 2026-12-01);
+- config.json is the source model's in the published form (tinyspec.hf_config; compared field by field
+  in tests/unit/test_published_config.py), with ``quantization_config`` added: its ``dtype`` stays the
+  source's, ``bfloat16`` for every published Qwen3.5/3.6 model, so that is the default here
+  (``dtype="float16"`` writes the checkpoints this project used before 2026-12-01);
+- the MTP head (``mtp_num_hidden_layers: 1``): exllamav3 builds an ``mtp`` component from it and quantizes
+  its linears at ``--mtp_bits`` (default 4; ``quantization_config.mtp_bits``), keeping its norms: so
+  ``mtp.fc`` and ``mtp.layers.0.*`` are EXL3 here too (aphrodite skips ``mtp.*`` at load);
 - every non-tensor file of the source is copied: the chat template (``chat_template.jinja``, the
   Qwen3 family's ChatML with ``enable_thinking``), ``generation_config.json``, the tokenizer;
 - unquantized tensors keep the source dtype where exllamav3 loads them with ``allow_bf16`` (the
@@ -45,8 +51,17 @@ from pathlib import Path
 
 from . import codec
 from .tinyfiles import folder_files, write_configs
-from .tinyspec import EXL3_SUFFIXES, LORA_TARGETS, PRESETS, TinySpec, _check, hf_config, layer_projections
-from .tinystate import _base_state, _write_adapter, add_leaf_entries, exl3_storage_entry, fuse_experts
+from .tinyspec import (
+    EXL3_SUFFIXES,
+    LORA_TARGETS,
+    PRESETS,
+    TinySpec,
+    _check,
+    hf_config,
+    layer_projections,
+    mtp_projections,
+)
+from .tinystate import Draw, _base_state, _write_adapter, add_leaf_entries, exl3_storage_entry, fuse_experts, mtp_state
 
 # the public names of the writer and its spec, where callers have always imported them
 __all__ = [
@@ -125,6 +140,15 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         for name, tensor in tensors.items():
             exl3_state[f"{prefix}.{name}"] = tensor
         storage[prefix] = exl3_storage_entry(exl3_state, prefix, spec.bits, cb)
+    # the MTP head, drawn last (the trunk is the same without it), in the EXL3 folder only: transformers
+    # drops every mtp.* tensor at load (_keys_to_ignore_on_load_unexpected), so the dense twin has none
+    exl3_state.update(mtp_state(spec, Draw(gen, torch)))
+    for prefix, fin, fout in mtp_projections(spec):
+        codebooks[prefix] = cb = spec.codebook_for(index) if ".experts." not in prefix else spec.expert_codebook
+        index += ".experts." not in prefix
+        tensors = codec.random_exl3_linear(fin, fout, spec.mtp_bits, cb, gen, device=device)
+        exl3_state.update({f"{prefix}.{name}": tensor for name, tensor in tensors.items()})
+        storage[prefix] = exl3_storage_entry(exl3_state, prefix, spec.mtp_bits, cb)
 
     if dense and spec.experts:
         fuse_experts(dense_state, spec, torch)
@@ -135,7 +159,8 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     write_configs(exl3_dir, spec, cfg, storage)
     save_file(exl3_state, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
     if dense:
-        (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, indent=2))
+        text = {**cfg["text_config"], "dtype": "float32"}
+        (dense_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32", "text_config": text}, indent=2))
         save_file(dense_state, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
 
     adapters = {}

@@ -12,16 +12,29 @@ from .tinyspec import SPECIAL_TOKENS, THINK_TOKENS, TinySpec
 # reasoning parser reads them back from the detokenized text.
 
 
-# The image processor config a Qwen3.5 checkpoint ships; exllamav3's Qwen3.5 config reader opens it
-# (read_qwen3_vl_pp_config) even for text-only use.
+# The image and video processor configs every published Qwen3.5/3.6 repository ships (Qwen3.6-27B,
+# Qwen3.6-35B-A3B: preprocessor_config.json, video_preprocessor_config.json), with their values; exllamav3
+# copies them, its Qwen3.5 config reader opens the first (read_qwen3_vl_pp_config), and aphrodite's
+# multimodal start-up ("Can't load image processor") needs both unless --language-model-only.
 PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
     "patch_size": 16,
     "temporal_patch_size": 2,
     "merge_size": 2,
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+VIDEO_PREPROCESSOR = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
 }
 
 
@@ -142,6 +155,7 @@ def folder_files(folder: Path, spec: TinySpec) -> None:
     folder.mkdir()
     _tokenizer_files(folder, spec.vocab, spec.max_position)
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR, indent=2))
 
 
 def write_configs(folder: Path, spec: TinySpec, cfg: dict, storage: dict) -> None:
@@ -154,5 +168,7 @@ def write_configs(folder: Path, spec: TinySpec, cfg: dict, storage: dict) -> Non
         "codebook": spec.codebook,
         "calibration": {"synthetic": True, "seed": spec.seed},
     }
+    if spec.mtp_layers:  # exllamav3's compile.py adds it when the model has an MTP component
+        quant_cfg["mtp_bits"] = float(spec.mtp_bits)
     (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_cfg}, indent=2))
     (folder / "quantization_config.json").write_text(json.dumps({**quant_cfg, "tensor_storage": storage}, indent=2))

@@ -35,6 +35,13 @@ LORA_TARGETS = (
 )
 
 
+# The GDN gate projections (unquantized in EXL3 checkpoints; aphrodite fuses them into ``in_proj_ba``):
+# adapters trained with megatron-swift or VeOmni for Qwen3.5/3.6 carry them (vLLM issue #40005 shows such a
+# key list). The adapter named ``lora-ab`` targets them besides LORA_TARGETS.
+GDN_GATE_TARGETS = ("in_proj_a", "in_proj_b")
+ADAPTER_TARGETS = {"lora-ab": LORA_TARGETS + GDN_GATE_TARGETS}
+
+
 SPECIAL_TOKENS = {
     "<|image_pad|>": 500,
     "<|video_pad|>": 501,
@@ -74,7 +81,7 @@ PRESETS: dict[str, dict] = {
         experts_per_tok=2,
         moe_intermediate=256,
         shared_intermediate=256,
-        adapters=("lora-a", "lora-b", "lora-experts"),
+        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts"),
     ),
     # the Qwen3.6-35B-A3B layer dimensions (hidden 2048; 16 / 2 heads of 256; GDN 16 key / 32 value heads of
     # 128; experts 512 wide, 8 active, a shared expert of 512) with 4 layers and 32 routed experts instead of
@@ -85,7 +92,7 @@ PRESETS: dict[str, dict] = {
         vocab=32768,
         max_position=32768,
         experts=32,
-        adapters=("lora-a", "lora-b", "lora-experts"),
+        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts"),
     ),
     "qwen3.6-27b": dict(
         hidden=5120,
@@ -123,13 +130,18 @@ class TinySpec:
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = LORA_TARGETS
     tp: int = 2  # the largest tensor-parallel size the checkpoint must split evenly for
-    adapters: tuple[str, ...] = ("lora-a", "lora-b")
+    adapters: tuple[str, ...] = ("lora-a", "lora-b", "lora-ab")
     max_position: int = 4096  # config's max_position_embeddings: aphrodite refuses a longer max_model_len
     dtype: str = "bfloat16"  # the config's dtype, as exllamav3 keeps the source model's (DTYPES)
     # text_config.mamba_ssm_dtype: every published Qwen3.5/3.6 config (dense and MoE) carries "float32", and
     # exllamav3 copies the source config; aphrodite keeps the GDN recurrent state in it (models/config.py,
     # Qwen3_5ForConditionalGenerationConfig). None leaves the field out (the state then follows ``dtype``)
     ssm_dtype: str | None = "float32"
+    # text_config.mtp_num_hidden_layers (1 in every published config) and the bits exllamav3 gives the MTP
+    # head (convert_model.py --mtp_bits, default 4; quantization_config.mtp_bits). aphrodite skips every
+    # ``mtp.*`` tensor unless speculative decoding with MTP is asked for
+    mtp_layers: int = 1
+    mtp_bits: int = 4
     # MoE (Qwen3_5MoeForConditionalGeneration) when experts > 0: every layer's MLP is a router over
     # ``experts`` routed experts (``moe_intermediate`` wide, ``experts_per_tok`` active) plus a shared
     # expert (``shared_intermediate``) behind a sigmoid gate, as the published Qwen3.5/3.6-35B-A3B config
@@ -160,12 +172,13 @@ class TinySpec:
 
 
 def _check(spec: TinySpec) -> None:
-    for name in ("bits", "seed", "tp", "lora_rank", "max_position", "hidden", "intermediate", "vocab"):
+    for name in ("bits", "seed", "tp", "lora_rank", "max_position", "hidden", "intermediate", "vocab", "mtp_layers"):
         value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "seed" else 1):
-            raise ValueError(
-                f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}"
-            )
+        zero_ok = name in ("seed", "mtp_layers")
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero_ok else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer, got {value!r}")
+    if spec.mtp_layers and not 1 <= spec.mtp_bits <= 8:
+        raise ValueError(f"mtp_bits must be 1..8, got {spec.mtp_bits}")
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     if spec.ssm_dtype not in (None, "float32", *DTYPES):
@@ -205,86 +218,130 @@ def _check(spec: TinySpec) -> None:
             )
 
 
+# The published configs make-tiny imitates, field by field (tests/unit/test_published_config.py compares
+# them and names every deliberate difference; the copies are tests/data/published/*.json):
+#   Qwen3.6-27B      https://huggingface.co/Qwen/Qwen3.6-27B/blob/main/config.json      (dense presets)
+#   Qwen3.6-35B-A3B  https://huggingface.co/Qwen/Qwen3.6-35B-A3B/blob/main/config.json  (MoE presets)
+# Fields every published Qwen3.5/3.6 text_config carries with one value, dense and MoE alike.
+PUBLISHED_TEXT_FIXED = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "linear_conv_kernel_dim": 4,
+    "mtp_use_dedicated_embeddings": False,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+ROPE_THETA = 10000000
+PARTIAL_ROTARY = 0.25
+TRANSFORMERS_VERSION = "4.57.1"  # what the published configs were saved with
+
+
 def hf_config(spec: TinySpec) -> dict:
-    rotary = 0.25
-    half_rot = int(spec.head_dim * rotary) // 2
-    # mrope: sum(mrope_section) == head_dim * partial_rotary_factor / 2 (256 -> [11, 11, 10])
+    """config.json in the published form (the two configs above): every field they carry, with their value
+    where it is not a dimension of the spec. Dense: Qwen3.6-27B's fields (``output_gate_type``,
+    ``language_model_only``); MoE: Qwen3.6-35B-A3B's (``num_experts`` ... ``router_aux_loss_coef``,
+    ``output_router_logits``; no ``output_gate_type``). ``mtp_num_hidden_layers`` is ``spec.mtp_layers``
+    (1 as published; the MTP tensors are written as exllamav3 writes them: ``mtp_projections``)."""
+    half_rot = int(spec.head_dim * PARTIAL_ROTARY) // 2
+    # mrope: sum(mrope_section) == head_dim * partial_rotary_factor / 2 (256 -> [11, 11, 10], as published)
     mrope = [half_rot // 3 + (i < half_rot % 3) for i in range(3)]
+    eos = SPECIAL_TOKENS["<|endoftext|>"]  # the published bos and eos (248044) are <|endoftext|>
     text = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": spec.vocab,
+        **PUBLISHED_TEXT_FIXED,
+        "bos_token_id": eos,
+        "dtype": spec.dtype,
+        "eos_token_id": eos,
+        "head_dim": spec.head_dim,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
-        "num_hidden_layers": len(spec.layer_types),
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
         "layer_types": list(spec.layer_types),
+        "linear_key_head_dim": spec.gdn_head_dim,
         "linear_num_key_heads": spec.gdn_key_heads,
         "linear_num_value_heads": spec.gdn_value_heads,
-        "linear_key_head_dim": spec.gdn_head_dim,
         "linear_value_head_dim": spec.gdn_head_dim,
-        "linear_conv_kernel_dim": 4,
-        "attn_output_gate": True,
         "max_position_embeddings": spec.max_position,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "partial_rotary_factor": rotary,
+        "model_type": "qwen3_5_text",
+        "mtp_num_hidden_layers": spec.mtp_layers,
+        "num_attention_heads": spec.heads,
+        "num_hidden_layers": len(spec.layer_types),
+        "num_key_value_heads": spec.kv_heads,
+        "output_gate_type": "swish",
+        "partial_rotary_factor": PARTIAL_ROTARY,
         "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": rotary,
-            "mrope_section": mrope,
             "mrope_interleaved": True,
+            "mrope_section": mrope,
+            "partial_rotary_factor": PARTIAL_ROTARY,
+            "rope_theta": ROPE_THETA,
+            "rope_type": "default",
         },
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
-        "dtype": spec.dtype,
+        "vocab_size": spec.vocab,
     }
+    # text_config.mamba_ssm_dtype: aphrodite keeps the GDN recurrent state in it (models/config.py,
+    # Qwen3_5ForConditionalGenerationConfig); None (a deliberate departure) leaves it to follow ``dtype``
     if spec.ssm_dtype is not None:
         text["mamba_ssm_dtype"] = spec.ssm_dtype
-    if spec.experts:  # the fields of Qwen3.5/3.6-35B-A3B's text_config (transformers' Qwen3_5MoeTextConfig)
-        del text["intermediate_size"]
+    if spec.experts:  # Qwen3.6-35B-A3B's text_config (transformers' Qwen3_5MoeTextConfig)
+        del text["intermediate_size"], text["output_gate_type"]
         text.update(
             model_type="qwen3_5_moe_text",
+            moe_intermediate_size=spec.moe_intermediate,
             num_experts=spec.experts,
             num_experts_per_tok=spec.experts_per_tok,
-            moe_intermediate_size=spec.moe_intermediate,
-            shared_expert_intermediate_size=spec.shared_intermediate,
+            output_router_logits=False,
             router_aux_loss_coef=0.001,
+            shared_expert_intermediate_size=spec.shared_intermediate,
         )
-    # deepstack_visual_indexes and hidden_act: exllamav3's Qwen3.5 config reader requires them
-    # (read_qwen3_vl_vision_config, no default), as the published Qwen3.5 configs carry them.
+    # the vision tower: one block of a small width (its published depth 27, width 1152 are a deliberate
+    # difference); deepstack_visual_indexes and hidden_act are required by exllamav3's reader
+    # (read_qwen3_vl_vision_config, no default)
     vision = {
-        "model_type": "qwen3_5_vision",
+        "deepstack_visual_indexes": [],
         "depth": 1,
+        "hidden_act": "gelu_pytorch_tanh",
         "hidden_size": 128,
+        "in_channels": 3,
+        "initializer_range": 0.02,
         "intermediate_size": 256,
+        "model_type": "qwen3_5_moe" if spec.experts else "qwen3_5",
         "num_heads": 2,
-        "out_hidden_size": spec.hidden,
         "num_position_embeddings": 64,
+        "out_hidden_size": spec.hidden,
         "patch_size": 16,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "in_channels": 3,
-        "deepstack_visual_indexes": [],
-        "hidden_act": "gelu_pytorch_tanh",
     }
-    if spec.experts:
-        vision["model_type"] = "qwen3_5_moe_vision"
-    return {
+    cfg = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if spec.experts else "Qwen3_5ForConditionalGeneration"],
+        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
         "model_type": "qwen3_5_moe" if spec.experts else "qwen3_5",
         "text_config": text,
-        "vision_config": vision,
-        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
-        "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
-        "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
-        "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
-        "eos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
         "tie_word_embeddings": False,
-        "dtype": spec.dtype,
+        "transformers_version": TRANSFORMERS_VERSION,
+        "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+        "vision_config": vision,
+        "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
+        "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
     }
+    if not spec.experts:  # Qwen3.6-27B's config carries it, Qwen3.6-35B-A3B's does not
+        cfg["language_model_only"] = False
+    return cfg
+
+
+def mtp_projections(spec: TinySpec) -> list[tuple[str, int, int]]:
+    """(name, in, out) of every EXL3 linear of the MTP head, as exllamav3 1.6.5 quantizes it at ``mtp_bits``
+    (architecture/qwen3_5_mtp.py: ``mtp.fc``, 2 x hidden -> hidden, then per MTP layer a full-attention
+    layer's q/k/v/o and MLP under ``mtp.layers.N``). Empty when ``spec.mtp_layers`` is 0 (exllamav3 then
+    builds no MTP component)."""
+    out = [("mtp.fc", 2 * spec.hidden, spec.hidden)] if spec.mtp_layers else []
+    for n in range(spec.mtp_layers):
+        out += [(f"mtp.layers.{n}.{s}", fin, fout) for s, fin, fout in layer_projections(spec, "full_attention")]
+    return out
 
 
 def layer_projections(spec: TinySpec, kind: str) -> list[tuple[str, int, int]]:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from . import codec
-from .tinyspec import TinySpec, layer_projections
+from .tinyspec import ADAPTER_TARGETS, GDN_GATE_TARGETS, TinySpec, layer_projections
 
 
 class Draw:
@@ -67,15 +67,16 @@ def _global_state(spec: TinySpec, cfg: dict, draw: Draw) -> dict:
     return state
 
 
-def _layer_state(spec: TinySpec, n: int, kind: str, draw: Draw) -> dict:
-    """One decoder layer's unquantized tensors, in the dtypes exllamav3 writes them: ``keep`` (the
-    config's dtype) for what its loaders read with ``allow_bf16`` -- RMSNorm weights, the GDN conv1d
-    --, float16 for the unquantized linears, bfloat16 for the GDN dt_bias, A_log and output norm."""
+def _layer_state(spec: TinySpec, n: int, kind: str, draw: Draw, prefix: str = "model.language_model.layers.") -> dict:
+    """One decoder layer's unquantized tensors (under ``prefix``: ``mtp.layers.`` for the MTP head's), in the
+    dtypes exllamav3 writes them: ``keep`` (the config's dtype) for what its loaders read with ``allow_bf16``
+    -- RMSNorm weights, the GDN conv1d --, float16 for the unquantized linears, bfloat16 for the GDN
+    dt_bias, A_log and output norm."""
     t = draw.torch
     keep = getattr(t, spec.dtype)
     rnd = draw.randn
     conv_dim = 2 * spec.gdn_key_heads * spec.gdn_head_dim + spec.gdn_value_heads * spec.gdn_head_dim
-    p = f"model.language_model.layers.{n}."
+    p = f"{prefix}{n}."
     state = {
         p + "input_layernorm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
         p + "post_attention_layernorm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
@@ -97,6 +98,23 @@ def _layer_state(spec: TinySpec, n: int, kind: str, draw: Draw) -> dict:
     if spec.experts:  # the router and the shared expert's gate: unquantized linears (float16, as exllamav3)
         state[p + "mlp.gate.weight"] = rnd(spec.experts, spec.hidden, std=0.5)
         state[p + "mlp.shared_expert_gate.weight"] = rnd(1, spec.hidden, std=0.1)
+    return state
+
+
+def mtp_state(spec: TinySpec, draw: Draw) -> dict:
+    """The MTP head's unquantized tensors (exllamav3 architecture/qwen3_5_mtp.py): the two pre-fc norms, each
+    MTP layer's norms (and, in a MoE model, its router and shared-expert gate), the final norm. Drawn after
+    every trunk tensor, so that the trunk is the same with and without an MTP head."""
+    keep = getattr(draw.torch, spec.dtype)
+    if not spec.mtp_layers:
+        return {}
+    state = {
+        f"mtp.{name}.weight": draw.randn(spec.hidden, std=0.1, dtype=keep)
+        for name in ("pre_fc_norm_hidden", "pre_fc_norm_embedding")
+    }
+    for n in range(spec.mtp_layers):
+        state.update(_layer_state(spec, n, "full_attention", draw, prefix="mtp.layers."))
+    state["mtp.norm.weight"] = draw.randn(spec.hidden, std=0.1, dtype=keep)
     return state
 
 
@@ -151,16 +169,19 @@ def stored_tensor_info(state: dict, prefix: str) -> dict:
 
 
 def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[str]:
-    """A PEFT LoRA adapter over the EXL3 projections named in ``spec.lora_targets``. In a MoE model the
+    """A PEFT LoRA adapter over the EXL3 projections named in ``spec.lora_targets`` (``ADAPTER_TARGETS`` names
+    the adapters that target more: ``lora-ab`` also the GDN ``in_proj_a``/``in_proj_b``). In a MoE model the
     routed experts are left out, except by the adapter named ``lora-experts`` (keys per expert, the
     form aphrodite's LoRA loader reads expert adapters in; transformers' fused experts have no such
     modules, so it has no HF + PEFT reference: it exists to be refused or served by aphrodite)."""
     dest.mkdir()
     state = {}
     with_experts = dest.name == "lora-experts"
+    targets = ADAPTER_TARGETS.get(dest.name, spec.lora_targets)
+    gates = [(f"linear_attn.{t}", spec.hidden, spec.gdn_value_heads) for t in GDN_GATE_TARGETS if t in targets]
     for n, kind in enumerate(spec.layer_types):
-        for suffix, fin, fout in layer_projections(spec, kind):
-            if suffix.split(".")[-1] not in spec.lora_targets or (".experts." in suffix and not with_experts):
+        for suffix, fin, fout in layer_projections(spec, kind) + (gates if kind == "linear_attention" else []):
+            if suffix.split(".")[-1] not in targets or (".experts." in suffix and not with_experts):
                 continue
             key = f"base_model.model.model.language_model.layers.{n}.{suffix}"
             state[key + ".lora_A.weight"] = (torch.randn(spec.lora_rank, fin, generator=gen) / fin**0.5).to(
@@ -178,7 +199,7 @@ def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[st
                 "lora_dropout": 0.0,
                 "bias": "none",
                 "fan_in_fan_out": False,
-                "target_modules": list(spec.lora_targets),
+                "target_modules": list(targets),
                 "base_model_name_or_path": None,
                 "inference_mode": True,
                 "init_lora_weights": True,

@@ -28,6 +28,7 @@ STARTUP_FIGURES = {
     "kv_cache_tokens": re.compile(r"GPU KV cache size: ([\d,]+) tokens"),
     "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"),
     "torch_compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
+    "attention_block_size": re.compile(r"Setting attention block size to (\d+) tokens"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
 }
 

@@ -12,7 +12,12 @@ in the default mode with bfloat16: --kv-cache-dtype fp8, --enable-prefix-caching
 leaves it off for hybrid models; against the same multi-turn requests on the default cell) and
 --no-enable-prefix-caching (the default, spelled out), --max-num-batched-tokens 512 with a longer
 prompt; P4 off (HYBRID_EXL3_FIXES_DISABLE=P4) for float16 activations from either checkpoint and
-for the float16 checkpoint served with --dtype bfloat16 (which dtype meets which op).
+for the float16 checkpoint served with --dtype bfloat16 (which dtype meets which op); the adapter that
+also targets the GDN in_proj_a / in_proj_b (``lora-ab``, fused by aphrodite into in_proj_ba); and the
+engine's own defaults without the two deviations below (``defaults-bf16-lora``).
+
+The checkpoints carry the published config's ``mamba_ssm_dtype: float32`` (make-tiny's default): every
+cell keeps the GDN recurrent state in float32, as a published model is served.
 
 All servers start at once and share the GPU, so each pins its KV cache (--kv-cache-memory-bytes,
 which skips the memory profiling that concurrent starts would disturb) and asks for a small
@@ -47,7 +52,11 @@ SERVED = "tiny"
 ADAPTERS = ("lora-a", "lora-b")
 ILLEGAL_ACCESS = "an illegal memory access was encountered"
 
-# name: checkpoint dtype, eager?, LoRA?, extra args, extra env, what the cell must do
+# the cell runs with the engine's defaults: no --gdn-prefill-backend triton, no --language-model-only
+ENGINE_DEFAULTS = "<engine defaults>"
+
+# name: checkpoint dtype, eager?, LoRA? (True: ADAPTERS; or the adapters it serves), extra args, extra env,
+# what the cell must do
 CELLS = {
     "compiled-bf16-lora": ("bfloat16", False, True, [], {"APHRODITE_ALLOW_RUNTIME_LORA_UPDATING": "1"}, "serve"),
     "compiled-bf16-nolora": ("bfloat16", False, False, [], {}, "serve"),
@@ -62,6 +71,10 @@ CELLS = {
     # aphrodite 0.21 leaves prefix caching off for hybrid models ("still experimental", config/model.py:1696)
     "compiled-bf16-lora-prefix": ("bfloat16", False, True, ["--enable-prefix-caching"], {}, "serve"),
     "compiled-bf16-lora-chunk512": ("bfloat16", False, True, ["--max-num-batched-tokens", "512"], {}, "serve"),
+    # an adapter over the GDN gate projections too (in_proj_a / in_proj_b, unquantized, fused in_proj_ba)
+    "compiled-bf16-lora-ab": ("bfloat16", False, ("lora-a", "lora-ab"), [], {}, "serve"),
+    # what a user types: the FlashInfer GDN prefill (JIT-compiled on first use) and the multimodal start-up
+    "defaults-bf16-lora": ("bfloat16", False, ("lora-a", "lora-ab"), [ENGINE_DEFAULTS], {}, "serve"),
     # controls without P4: float16 activations crash, whichever checkpoint they come from
     "compiled-fp16-nolora-noP4": ("float16", False, False, [], {"HYBRID_EXL3_FIXES_DISABLE": "P4"}, "crash"),
     "compiled-bf16-as-fp16-nolora-noP4": (
@@ -109,8 +122,16 @@ def gpus() -> int:
         return 0
 
 
-def shared_args(served: str) -> list[str]:
-    """What every suite server is started with (the module docstring says why each differs from the default)."""
+def adapters_of(cell: str) -> tuple[str, ...]:
+    lora = CELLS[cell][2]
+    return (ADAPTERS if lora is True else tuple(lora)) if lora else ()
+
+
+def shared_args(served: str, deviations: bool = True) -> list[str]:
+    """What every suite server is started with (the module docstring says why each differs from the default);
+    ``deviations=False`` leaves out --gdn-prefill-backend triton and --language-model-only."""
+    if not deviations:
+        return shared_args(served)[:-3]
     return [
         "--served-model-name",
         served,
@@ -138,8 +159,9 @@ def lora_args(folder: Path, adapters) -> list[str]:
 def server_args(cell: str, tiny: dict[str, Path]) -> tuple[str, list[str], dict]:
     dtype, eager, lora, extra, env, _ = CELLS[cell]
     folder = tiny[dtype]
-    args = shared_args(SERVED) + (["--enforce-eager"] if eager else []) + (lora_args(folder, ADAPTERS) if lora else [])
-    return str(folder / "exl3"), args + extra, env
+    args = shared_args(SERVED, ENGINE_DEFAULTS not in extra) + (["--enforce-eager"] if eager else [])
+    args += lora_args(folder, adapters_of(cell)) if lora else []
+    return str(folder / "exl3"), args + [a for a in extra if a != ENGINE_DEFAULTS], env
 
 
 def start_fleet(cells, build, base_port: int, workdir: Path) -> dict[str, Server]:
@@ -185,7 +207,7 @@ def fleet(tiny, workdir):
 
 @pytest.fixture(scope="session")
 def references(tiny):
-    return {dtype: Reference(folder) for dtype, folder in tiny.items()}
+    return {dtype: Reference(folder, (*ADAPTERS, "lora-ab")) for dtype, folder in tiny.items()}
 
 
 def ready(fleet, cell) -> Server:
@@ -360,9 +382,9 @@ def test_cell(cell, fleet, references, record):
     assert info["overlay_lines"] >= 2 + (cell_tp(cell) if cell_tp(cell) > 1 else 0), info
     reference = references[dtype]
     models = {m.id for m in client(server).models.list().data}
-    adapters = [None, *ADAPTERS] if lora else [None]
+    adapters = [None, *adapters_of(cell)]
     record(f"server {cell}", models=sorted(models))
-    assert models == {SERVED, *(ADAPTERS if lora else ())}, models
+    assert models == {SERVED, *adapters_of(cell)}, models
     failed = alone_and_mixed(server, reference, adapters, SERVED, info, lambda: record(f"server {cell}", **info))
     tolerance = TOLERANCE
     assert not failed, failed[:3]
