@@ -60,6 +60,8 @@ class Shape:
 
 
 FIX_CONFIG = " (compare with the base model's config.json)"
+# the GDN recurrent state dtypes a config may name (aphrodite config/cache.py MambaDType, less "auto")
+SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_config(config: dict) -> tuple[Shape, list[str]]:
@@ -118,7 +120,12 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
     inter = data.get("intermediate_size")
     shape.intermediate = inter if is_int(inter) and inter > 0 else None
     ssm = data.get("mamba_ssm_dtype")
-    shape.ssm_dtype = ssm if ssm in ("float32", "bfloat16", "float16") else None
+    shape.ssm_dtype = ssm if ssm in SSM_DTYPES else None
+    if ssm is not None and ssm not in SSM_DTYPES and ssm != "auto":
+        text.problems.append(
+            f"{text.where}: mamba_ssm_dtype is {describe(ssm)}, not one the engine takes ({', '.join(SSM_DTYPES)}, "
+            "auto: aphrodite config/cache.py MambaDType)" + FIX_CONFIG
+        )
     if "num_experts" in text.data or "Moe" in (shape.arch or ""):
         hint = ": the routed experts are sized from it" + FIX_CONFIG
         shape.moe = {

@@ -171,7 +171,12 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
         "codebooks": codebooks,
-        "exl3_modules": sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3"),
+        "exl3_modules": sorted(
+            k for k, v in storage.items() if v.get("quant_format") == "exl3" and not k.startswith("mtp.")
+        ),
+        "mtp_modules": sorted(
+            k for k, v in storage.items() if v.get("quant_format") == "exl3" and k.startswith("mtp.")
+        ),
         "adapters": adapters,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -68,6 +68,30 @@ class Reference:
             model.load_adapter(tiny / name, adapter_name=name)
         self.model, self.torch, self.cache = model.eval(), torch, {}
         self.tiny, self.arch = tiny, arch
+        self.dropped: tuple[str, ...] = ()  # module-name suffixes whose LoRA deltas ``dropping`` removed
+
+    def dropping(self, suffixes: tuple[str, ...]):
+        """A context in which the LoRA deltas of the modules named ``*suffixes`` (every adapter) are off, by
+        PEFT's per-adapter scaling set to 0: the reference of an engine that ignored those modules."""
+        import contextlib
+
+        layers = [m for n, m in self.model.named_modules() if n.endswith(suffixes) and hasattr(m, "scaling")]
+        assert layers, f"no LoRA layer ends with {suffixes}"
+
+        @contextlib.contextmanager
+        def scope():
+            saved = [dict(m.scaling) for m in layers]
+            for m in layers:
+                m.scaling = {k: 0.0 for k in m.scaling}
+            self.dropped = tuple(suffixes)
+            try:
+                yield self
+            finally:
+                for m, scaling in zip(layers, saved):
+                    m.scaling = scaling
+                self.dropped = ()
+
+        return scope()
 
     def bf16_spread(self, prompt_ids: list[list[int]]) -> float:
         """How far HF itself moves from this float32 reference when it runs in bfloat16 (the engine's
@@ -119,7 +143,7 @@ class Reference:
         """(len(ids), vocab) log-softmax rows: row i is the distribution of token i + 1."""
         import contextlib
 
-        key = (tuple(ids), adapter)
+        key = (tuple(ids), adapter, self.dropped)
         if key not in self.cache:
             torch = self.torch
             if adapter is not None:

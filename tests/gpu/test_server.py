@@ -39,11 +39,14 @@ from pathlib import Path
 import pytest
 
 from harness import Reference, compare_served, served_chat_logprobs, served_completion
+from hybrid_exl3_fixes.exl3.tinyspec import GDN_GATE_TARGETS
 from server import Server
 
-# max |d logprob| against HF + PEFT, every cell (FACTS.md measured 0.055 through the server; run 10:
-# at most 0.044 in any cell, fp8 KV included, docs/gpu-results.md)
+# max |d logprob| against HF + PEFT, every cell (at most 0.044 in any cell of runs 10 and 17, fp8 KV included:
+# docs/gpu-results.md)
 TOLERANCE = 0.15
+# how far the served lora-ab is from a reference without its in_proj_a / in_proj_b deltas
+GATES_OFF = "lora-ab vs reference without in_proj_a/b"
 START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))
 LONG_PROMPT = 1500  # tokens, above the chunked cell's --max-num-batched-tokens 512
 MAX_MODEL_LEN = 2048
@@ -335,6 +338,10 @@ def alone_and_mixed(server: Server, reference, adapters: list, served: str, info
     if first:  # each adapter must differ from the base model by much more than the tolerance
         base = check(reference, None, complete(server, first, prompts(1, 1)[0]))
         info[f"{first} vs base reference"] = round(base["max_abs_dlogprob"], 4)
+    if "lora-ab" in adapters:  # and its in_proj_a / in_proj_b deltas must be applied, not dropped
+        with reference.dropping(GDN_GATE_TARGETS):
+            off = check(reference, "lora-ab", complete(server, "lora-ab", prompts(1, 1)[0]))
+        info[GATES_OFF] = round(off["max_abs_dlogprob"], 4)
     save()
     return failed
 
@@ -391,6 +398,8 @@ def test_cell(cell, fleet, references, record):
     assert info["max_abs_dlogprob"] < tolerance, info
     if lora:
         assert info["lora-a vs base reference"] > 3 * TOLERANCE, "the adapter made no difference"
+    if "lora-ab" in adapters_of(cell):
+        assert info[GATES_OFF] > 3 * TOLERANCE, "served lora-ab as if it had no in_proj_a/in_proj_b deltas"
     if cell not in (MAIN, "compiled-bf16-lora-prefix", "compiled-bf16-lora-chunk512", "tp2-compiled-bf16-lora"):
         server.stop()  # free the GPU and CPUs for the cells still starting; MAIN and two others serve on
 

@@ -90,8 +90,18 @@ def test_tiny_checkpoint_is_clean_text_only(tiny):
     assert report.plan["exl3_weight_bytes"] > 0
 
 
-def test_missing_processor_files_are_named(tiny):
+def test_make_tiny_checkpoint_is_clean_with_default_options(tiny):
+    # make-tiny writes the processor files the published repositories carry, so the default (vision on) passes
     report = diagnose(tiny, check_overlay=False)
+    assert report.exit_code == 0 and levels(report)["processor"] == "OK", [f.__dict__ for f in report.findings]
+
+
+def test_missing_processor_files_are_named(tiny, tmp_path):
+    folder = tmp_path / "noproc"
+    shutil.copytree(tiny, folder)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (folder / name).unlink()
+    report = diagnose(folder, check_overlay=False)
     msg = next(f.message for f in report.findings if f.check == "processor")
     assert "preprocessor_config.json" in msg and "video_preprocessor_config.json" in msg and report.exit_code == 2
 

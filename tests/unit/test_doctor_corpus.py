@@ -45,7 +45,8 @@ CONFIG_FIELDS = [
     (("vision_config",), False),
     (("vision_config", "patch_size"), False),
     (("vision_config", "spatial_merge_size"), False),
-    (("dtype",), False),
+    (("text_config", "dtype"), False),
+    (("text_config", "mamba_ssm_dtype"), False),
     (("text_config", "hidden_size"), True),
     (("text_config", "num_attention_heads"), True),
     (("text_config", "num_hidden_layers"), True),
@@ -243,7 +244,7 @@ CASES = [
     for path, _ in CONFIG_FIELDS
     for label, value in WRONG_VALUES.items()
     if label not in ACCEPTABLE.get(path, set())
-    and not (label == "null" and path[-1] in ("quantization_config", "vision_config", "dtype"))
+    and not (label == "null" and path[-1] in ("quantization_config", "vision_config", "dtype", "mamba_ssm_dtype"))
 ]
 
 

@@ -8,6 +8,8 @@ expectations below come from exllamav3's code, not from a copy of it:
   ``qmap = None``; qwen3_5.py passes a qmap to Attention and GatedMLP, and GatedDeltaNet builds
   some of its projections with ``qmap = None``;
 - the tensor-name prefix of the language model (``key_prefix`` in qwen3_5.py);
+- the MTP head (qwen3_5_mtp.py): quantized at ``mtp_bits`` (its ``qbits_key``), its fc and its
+  attention and MLP projections, under the top-level ``mtp.`` prefix;
 - the tensors an EXL3 linear is loaded from (modules/linear.py);
 - the fields of a tensor_storage entry (conversion/quant_config.py) and its dtype strings.
 """
@@ -88,7 +90,9 @@ def tiny(tmp_path_factory):
 
 def test_quantized_projections_match_exllamav3(tiny):
     storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
-    ours = {k.split(".", 4)[-1] for k, v in storage.items() if v.get("quant_format") == "exl3"}
+    ours = {
+        k.split(".", 4)[-1] for k, v in storage.items() if v.get("quant_format") == "exl3" and not k.startswith("mtp.")
+    }
     expected = expected_exl3_suffixes()
     assert {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"} <= expected  # sanity
     assert ours == expected
@@ -108,8 +112,52 @@ def test_language_model_prefix_matches_exllamav3(tiny):
                     prefixes[node.name] = kw.value.value
     assert prefixes["Qwen3_5VLModel"]  # the ForConditionalGeneration (VL) model
     storage = json.loads((tiny / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
-    layer_keys = [k for k in storage if ".layers." in k]
+    layer_keys = [k for k in storage if ".layers." in k and not k.startswith("mtp.")]
     assert layer_keys and all(k.startswith(prefixes["Qwen3_5VLModel"] + ".layers.") for k in layer_keys)
+
+
+def expected_mtp_exl3_keys(layers: int) -> set[str]:
+    """The MTP head's quantized modules by qwen3_5_mtp.py: every module built with qbits_key="mtp_bits" that
+    holds a projection (the input layer's fc, the blocks' Attention and dense GatedMLP)."""
+    tree = parse("architecture/qwen3_5_mtp.py")
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and any(k.arg == "qbits_key" and getattr(k.value, "value", None) == "mtp_bits" for k in node.keywords)
+    ]
+    names = {c.func.id for c in calls if isinstance(c.func, ast.Name)}
+    assert {"Qwen3_5MTPInputLayer", "Attention", "GatedMLP"} <= names, names
+    found = set()
+    for idx in range(layers):
+        for call in calls:
+            kwargs = string_kwargs(call)
+            if call.func.id == "Qwen3_5MTPInputLayer":
+                found.add(kwargs["key_fc"])
+                continue
+            key = ast.unparse(next(k.value for k in call.keywords if k.arg == "key"))
+            key = key.replace("f'", "").replace("'", "").replace("{idx}", str(idx))
+            if call.func.id == "Attention":
+                found |= {f"{key}.{kwargs[k]}" for k in ("key_q", "key_k", "key_v", "key_o")}
+            elif call.func.id == "GatedMLP" and key.endswith(".mlp"):  # the dense block, not the shared expert
+                found |= {f"{key}.{kwargs[k]}" for k in ("key_gate", "key_up", "key_down")}
+    return found
+
+
+def test_mtp_head_is_quantized_as_exllamav3_does(tiny):
+    qcfg = json.loads((tiny / "exl3" / "quantization_config.json").read_text())
+    storage = qcfg["tensor_storage"]
+    config = json.loads((tiny / "exl3" / "config.json").read_text())
+    layers = config["text_config"]["mtp_num_hidden_layers"]
+    assert layers == 1  # the published configs' value
+    ours = {k for k, v in storage.items() if k.startswith("mtp.") and v.get("quant_format") == "exl3"}
+    assert ours == expected_mtp_exl3_keys(layers)
+    assert all(storage[k]["bits_per_weight"] == qcfg["mtp_bits"] for k in ours)
+    # its norms are plain weights, loaded by exllamav3 under the keys it names
+    for norm in ("mtp.norm", "mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_embedding", "mtp.layers.0.input_layernorm"):
+        assert "quant_format" not in storage[norm] and f"{norm}.weight" in storage[norm]["stored_tensors"]
+    manifest = json.loads((tiny / "manifest.json").read_text())
+    assert sorted(ours) == manifest["mtp_modules"] and not set(ours) & set(manifest["exl3_modules"])
 
 
 def test_exl3_tensor_names_are_what_exllamav3_loads(tiny):

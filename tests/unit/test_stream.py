@@ -27,10 +27,14 @@ def test_one_shard_per_layer_and_an_index(full):
     folder = dest / "exl3"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert len(shards) == len(spec.layer_types) + 2 and set(index["weight_map"].values()) == set(shards)
+    # globals, one shard per decoder layer, the head, the MTP head
+    assert len(shards) == len(spec.layer_types) + 3 and set(index["weight_map"].values()) == set(shards)
     for n in range(len(spec.layer_types)):  # every tensor of layer n in shard n + 1, nothing else there
         with safe_open(str(folder / shards[n + 1]), "pt") as f:
             assert {k.split(".")[3] for k in f.keys()} == {str(n)}
+    with safe_open(str(folder / shards[-1]), "pt") as f:
+        assert {k.split(".")[0] for k in f.keys()} == {"mtp"} and "mtp.fc.trellis" in f.keys()
+    assert manifest["mtp_modules"] and not set(manifest["mtp_modules"]) & set(manifest["exl3_modules"])
     assert index["metadata"]["total_size"] == manifest["weight_bytes"]
 
 
@@ -41,7 +45,8 @@ def test_exl3_head_and_configs(full):
     storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     assert storage["lm_head"]["quant_format"] == "exl3" and storage["lm_head"]["bits_per_weight"] == 6
     assert storage["model.language_model.layers.7.self_attn.o_proj"]["bits_per_weight"] == 3
-    with safe_open(str(dest / "exl3" / sorted((dest / "exl3").glob("*.safetensors"))[-1].name), "pt") as f:
+    head_shard = sorted((dest / "exl3").glob("*.safetensors"))[len(spec.layer_types) + 1]
+    with safe_open(str(head_shard), "pt") as f:
         assert f.get_slice("lm_head.trellis").get_shape() == [256 // 16, 512 // 16, 96]
 
 

@@ -44,24 +44,30 @@ def test_layout_and_quantization_config(tiny):
 
 
 def test_tensor_storage_matches_the_safetensors(tiny):
-    dest, _ = tiny
+    dest, manifest = tiny
     storage = json.loads((dest / "exl3" / "quantization_config.json").read_text())["tensor_storage"]
     tensors = load_file(str(dest / "exl3" / "model.safetensors"))
     plain = {k: v for k, v in storage.items() if "quant_format" not in v}
     assert "model.language_model.layers.0.linear_attn.in_proj_a" in plain and "lm_head" in plain
     for entry in plain.values():
         assert all(list(tensors[n].shape) == i["shape"] for n, i in entry["stored_tensors"].items())
+    mtp = {k for k, v in storage.items() if k.startswith("mtp.") and "quant_format" in v}
+    assert mtp == set(manifest["mtp_modules"]) and mtp  # the MTP head, at mtp_bits (test_exllamav3_layout)
     for prefix, entry in storage.items():
         if prefix in plain:
             continue
-        assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == 3
-        assert prefix.startswith("model.language_model.layers.")
-        assert prefix.split(".", 4)[-1] in EXL3_SUFFIXES, prefix
+        if prefix in mtp:
+            assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == TinySpec().mtp_bits
+        else:
+            assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == 3
+            assert prefix.startswith("model.language_model.layers.")
+            assert prefix.split(".", 4)[-1] in EXL3_SUFFIXES, prefix
         for name, info in entry["stored_tensors"].items():
             assert list(tensors[name].shape) == info["shape"], name
         fin = tensors[prefix + ".suh"].shape[0]
         fout = tensors[prefix + ".svh"].shape[0]
-        assert tensors[prefix + ".trellis"].shape == (fin // 16, fout // 16, 48)
+        bits = entry["bits_per_weight"]
+        assert tensors[prefix + ".trellis"].shape == (fin // 16, fout // 16, 16 * bits)
         assert fin % 128 == 0 and fout % 128 == 0
         has = {m for m in ("mcg", "mul1") if prefix + "." + m in tensors}
         assert len(has) <= 1
@@ -92,7 +98,8 @@ def test_config_and_tensor_dtypes_follow_the_checkpoint_dtype(tmp_path, dtype):
     checkpoints of this project's earlier GPU runs (float16 config, float16 tensors but the GDN trio)."""
     manifest = write_tiny(tmp_path / "t", TinySpec(dtype=dtype), dense=False)
     cfg = json.loads((tmp_path / "t" / "exl3" / "config.json").read_text())
-    assert cfg["dtype"] == cfg["text_config"]["dtype"] == dtype and manifest["spec"]["dtype"] == dtype
+    # the published configs name the dtype in text_config only (tests/data/published)
+    assert "dtype" not in cfg and cfg["text_config"]["dtype"] == dtype and manifest["spec"]["dtype"] == dtype
     tensors = load_file(str(tmp_path / "t" / "exl3" / "model.safetensors"))
     column = 0 if dtype == "bfloat16" else 1
     for suffix, dtypes in DTYPE_RULES.items():
@@ -216,9 +223,9 @@ def test_make_tiny_cli(tmp_path):
 
     assert main(["make-tiny", str(tmp_path / "a"), "--bits", "2", "--codebook", "3inst"]) == 0
     assert (tmp_path / "a" / "exl3" / "model.safetensors").is_file()
-    assert json.loads((tmp_path / "a" / "exl3" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "a" / "exl3" / "config.json").read_text())["text_config"]["dtype"] == "bfloat16"
     assert main(["make-tiny", str(tmp_path / "f"), "--dtype", "float16", "--no-dense"]) == 0
-    assert json.loads((tmp_path / "f" / "exl3" / "config.json").read_text())["dtype"] == "float16"
+    assert json.loads((tmp_path / "f" / "exl3" / "config.json").read_text())["text_config"]["dtype"] == "float16"
     assert main(["make-tiny", str(tmp_path / "a")]) == 2  # not empty: refused
     assert main(["make-tiny", str(tmp_path / "b"), "--tp", "4"]) == 2
     assert not (tmp_path / "b").exists()
@@ -322,3 +329,60 @@ def test_doctor_agrees_at_tp2(tmp_path, preset):
     assert {f.check: f.level for f in report.findings}["tp-alignment"] == "OK"
     report = diagnose(tmp_path / "m" / "exl3", tp=4, language_model_only=True, check_overlay=False)
     assert {f.check: f.level for f in report.findings}["tp-alignment"] == "BLOCK"
+
+
+def test_lora_ab_adapts_the_gdn_gates_as_fine_tuning_tools_write_it(tiny):
+    """lora-ab: the trunk targets plus in_proj_a / in_proj_b (plain linears in EXL3, hidden -> GDN value heads),
+    as adapters trained with megatron-swift and VeOmni carry them; PEFT loads it onto the dense twin."""
+    dest, manifest = tiny
+    cfg = json.loads((dest / "lora-ab" / "adapter_config.json").read_text())
+    assert {"in_proj_a", "in_proj_b"} <= set(cfg["target_modules"]) and set(cfg["target_modules"]) > {"in_proj_qkv"}
+    state = load_file(str(dest / "lora-ab" / "adapter_model.safetensors"))
+    spec = TinySpec(bits=3, codebook="mixed", seed=1)
+    gdn_layers = [n for n, t in enumerate(spec.layer_types) if t == "linear_attention"]
+    for n in gdn_layers:
+        for proj in ("in_proj_a", "in_proj_b"):
+            key = f"base_model.model.model.language_model.layers.{n}.linear_attn.{proj}"
+            assert state[f"{key}.lora_A.weight"].shape == (cfg["r"], spec.hidden)
+            assert state[f"{key}.lora_B.weight"].shape == (spec.gdn_value_heads, cfg["r"])
+            assert state[f"{key}.lora_B.weight"].abs().sum() > 0
+    assert not any(k.startswith("base_model.model.mtp.") for k in state)  # aphrodite does not load the MTP head
+    assert len([k for k in state if k.endswith("lora_B.weight")]) == len(manifest["exl3_modules"]) + 2 * len(gdn_layers)
+
+
+def test_lora_ab_loads_in_peft_on_the_dense_twin(tiny):
+    peft = pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
+    from transformers import AutoModelForImageTextToText
+
+    dest, _ = tiny
+    model = AutoModelForImageTextToText.from_pretrained(str(dest / "dense"), dtype=torch.float32)
+    wrapped = peft.PeftModel.from_pretrained(model, str(dest / "lora-ab"))
+    names = {n for n, _ in wrapped.named_modules() if n.endswith("in_proj_a") or n.endswith("in_proj_b")}
+    assert names and all(hasattr(wrapped.get_submodule(n), "lora_A") for n in names)
+
+
+def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
+    """The server cell that serves lora-ab fails a server which drops its in_proj_a / in_proj_b deltas only if
+    those deltas alone move the reference by more than three tolerances (tests/gpu/test_server.py GATES_OFF);
+    measured here with HF + PEFT on the server suite's checkpoint and prompts (prompts(3, 1))."""
+    peft = pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
+    import random
+
+    from transformers import AutoModelForImageTextToText
+
+    write_tiny(tmp_path / "t", TinySpec(bits=4, codebook="mcg", seed=0), dense=True)
+    base = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "t" / "dense"), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "t" / "lora-ab")).eval()
+    gates = [m for n, m in model.named_modules() if n.endswith(("in_proj_a", "in_proj_b")) and hasattr(m, "scaling")]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 500) for _ in range(rng.randrange(12, 48))] for _ in range(3)]
+
+    def logprobs():
+        with torch.no_grad():
+            return [model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1) for ids in prompts]
+
+    on = logprobs()
+    for m in gates:
+        m.scaling = {k: 0.0 for k in m.scaling}
+    off = logprobs()
+    assert max((a - b).abs().max().item() for a, b in zip(on, off)) > 3 * 0.15
