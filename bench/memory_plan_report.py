@@ -10,8 +10,8 @@ figure, and their ratio. Two kinds of row:
   engine, run 10, INFO log): predicted available KV memory, KV tokens and concurrency against the logged
   ones.
 - ``layout``: the KV layout alone. The server pinned its pool (--kv-cache-memory-bytes 2 GiB, the
-  server suites of runs 10 and 11): predicted tokens and concurrency for that pool against the
-  logged ones (block size, page, groups, blocks per request).
+  server suites of runs 10, 11, 13, 15 and 17; 28 GiB for run 14's full depth): predicted tokens and
+  concurrency for that pool against the logged ones (block size, page, groups, blocks per request).
 
 The inputs are committed: each log, and what doctor reads of each model (the run's
 ``inputs-*.json``, or make-tiny's spec, whose config is rebuilt here without weights).
@@ -84,7 +84,12 @@ def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
 
 def rows() -> list[dict]:
     """(kind, name, source, config, tensors, engine arguments, logged text)."""
-    from hybrid_exl3_fixes.memplan import Engine
+    from functools import partial
+
+    from hybrid_exl3_fixes import memplan
+
+    # runs 10-14 ran aphrodite-engine 0.21.0 (prefix caching off by default there); later rows name their release
+    Engine = partial(memplan.Engine, release="0.21.0")
 
     run10, run11 = RUNS / "2026-12-01-run10", RUNS / "2026-12-01-run11"
     out = [
@@ -150,31 +155,65 @@ def rows() -> list[dict]:
         )
     )
     # runs 10-13 served make-tiny checkpoints written before it set mamba_ssm_dtype: their GDN state was in
-    # the activations' dtype, so these rows rebuild that config (ssm_dtype=None), as the engine saw it
+    # the activations' dtype, so these rows rebuild that config (ssm_dtype=None), as the engine saw it.
+    # (label, engine logs, log, config, KV dtype, release, --enable-prefix-caching given)
     then = dict(ssm_dtype=None)
+    logs10, logs11 = run10 / "server" / "engine-logs.tgz", run11 / "moe" / "engine-logs.tgz"
+    logs13 = RUNS / "2026-12-01-run13" / "moe" / "engine-logs"
+    logs15 = RUNS / "2026-12-01-run15" / "v24" / "suite" / "dense" / "engine-logs.tgz"
+    logs17 = RUNS / "2026-12-02-run17" / "server" / "engine-logs.tgz"
+    tiny_then, tiny_now = tiny_config("tiny", **then), tiny_config("tiny")
     pinned = [
-        ("tiny bf16 state", "run10", "server-compiled-bf16-nolora.log", tiny_config("tiny", **then), "auto"),
+        ("tiny bf16 state", logs10, "server-compiled-bf16-nolora.log", tiny_then, "auto", "0.21.0", None),
         (
             "tiny fp16 state",
-            "run10",
+            logs10,
             "server-compiled-fp16-nolora.log",
             tiny_config("tiny", dtype="float16", **then),
             "auto",
+            "0.21.0",
+            None,
         ),
-        ("tiny bf16 state, fp8 KV", "run10", "server-compiled-bf16-lora-fp8kv.log", tiny_config("tiny", **then), "fp8"),
+        ("tiny bf16 state, fp8 KV", logs10, "server-compiled-bf16-lora-fp8kv.log", tiny_then, "fp8", "0.21.0", None),
+        (
+            "tiny bf16 state, --enable-prefix-caching",
+            run10 / "prefix" / "engine-logs.tgz",
+            "server-compiled-bf16-lora-prefix.log",
+            tiny_then,
+            "auto",
+            "0.21.0",
+            True,
+        ),
         (
             "tiny-moe bf16 state",
-            "run11",
+            logs11,
             "server-moe-compiled-bf16-nolora.log",
             tiny_config("tiny-moe", **then),
             "auto",
+            "0.21.0",
+            None,
         ),
         (
             "35B-A3B width, 4 layers, bf16 state",
-            "run13",
+            logs13,
             "server-moe35-compiled-bf16-nolora.log",
             tiny_config("qwen3.6-35b-a3b", **then),
             "auto",
+            "0.21.0",
+            None,
+        ),
+        # 0.24.1: prefix caching (and with it two state blocks per request) on by default
+        ("tiny bf16 state, 0.24.1", logs15, "server-compiled-bf16-lora.log", tiny_then, "auto", "0.24.1", None),
+        # run 17 served make-tiny's checkpoints in the published form: mamba_ssm_dtype float32 in the config
+        ("tiny float32 state, 0.24.1", logs17, "server-compiled-bf16-lora.log", tiny_now, "auto", "0.24.1", None),
+        (
+            "tiny float32 state, fp8 KV, 0.24.1",
+            logs17,
+            "server-compiled-bf16-lora-fp8kv.log",
+            tiny_now,
+            "fp8",
+            "0.24.1",
+            None,
         ),
     ]
     # run 14's full-depth engines, started two at once with the pool pinned at 28 GiB (bench/serving_http.py)
@@ -191,20 +230,23 @@ def rows() -> list[dict]:
             pool=28 << 30,
         )
     )
-    for label, run, log, cfg, kv in pinned:
-        if run == "run13":  # run 13's engine logs are committed as files
-            text = (RUNS / "2026-12-01-run13" / "moe" / "engine-logs" / log).read_text(errors="replace")
-        else:
-            tgz = (run10 / "server" / "engine-logs.tgz") if run == "run10" else (run11 / "moe" / "engine-logs.tgz")
-            text = tar_member(tgz, log)
+    for label, logs, log, cfg, kv, release, prefix in pinned:
+        text = (logs / log).read_text(errors="replace") if logs.is_dir() else tar_member(logs, log)
         out.append(
             dict(
                 kind="layout",
                 name=f"{label} (aphrodite run, --kv-cache-memory-bytes 2 GiB)",
-                source=f"{run}/{log}",
+                source=f"{logs.relative_to(RUNS)}/{log}".replace("2026-12-0", "").replace("/engine-logs.tgz", ""),
                 config=cfg,
                 tensors={},
-                engine=Engine(139.8, max_model_len=2048, kv_dtype=kv, dtype=cfg.get("dtype", "bfloat16")),
+                engine=memplan.Engine(
+                    139.8,
+                    max_model_len=2048,
+                    kv_dtype=kv,
+                    dtype=cfg["text_config"]["dtype"],
+                    release=release,
+                    prefix_caching=prefix,
+                ),
                 text=text,
                 pool=2 << 30,
             )
@@ -252,7 +294,13 @@ def markdown(results: list[dict]) -> str:
         "# doctor's memory plan against aphrodite's start-up log (issue 19)",
         "",
         "Generated by `python3 bench/memory_plan_report.py`; predicted by `overlay/memplan.py`, logged by",
-        "aphrodite-engine 0.21.0 on one H200 (runs 10 to 14, docs/gpu-runs/). Ratio = predicted / logged.",
+        "aphrodite-engine 0.21.0 (runs 10 to 14) and 0.24.1 (rows marked 0.24.1: runs 15 and 17) on one H200",
+        "(docs/gpu-runs/). Ratio = predicted / logged.",
+        "",
+        'GDN state: every row without "float32 state" in its name ran a checkpoint written before make-tiny set',
+        "`mamba_ssm_dtype` (GDN state bfloat16, or float16 where named), half the state bytes of the published",
+        "models. 0.23.0+ turn prefix caching on by default, which holds two state blocks per request and state group",
+        "(docs/upstream/hybrid-prefix-caching-state-blocks.md).",
         "",
     ]
     for kind, keys in (

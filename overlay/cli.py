@@ -270,12 +270,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         or (args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())),
         enable_lora=args.enable_lora,
         dtype=args.dtype,
+        prefix_caching=args.enable_prefix_caching,
+        release=args.release,
     )
     if args.json:
         print(as_json(report), file=args.json_out)
     else:
         print(render(report))
     return report.exit_code
+
+
+def release_name(text: str) -> str:
+    """An aphrodite-engine release as X.Y.Z (argparse type)."""
+    parts = text.strip().split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a release number like 0.24.1")
+    return ".".join(str(int(p)) for p in parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,6 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=list(DTYPE_CHOICES),
         help="the engine's --dtype (default auto: the config's); float16 activations decide the compiled-mode check",
+    )
+    doctor.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's flag (default: the release's: on for hybrid models from 0.23.0); on, each request holds "
+        "two GDN state blocks per state group instead of one",
+    )
+    doctor.add_argument(
+        "--release",
+        type=release_name,
+        help="plan for this aphrodite-engine release, e.g. 0.21.0 (default: the installed one, else 0.24.1)",
     )
     doctor.add_argument("--json", action="store_true", help="print the findings and the plan as JSON")
     doctor.set_defaults(func=cmd_doctor)

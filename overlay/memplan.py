@@ -21,8 +21,14 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   token)), the state page padded to the attention page (platforms/interface.py).
 - groups: group size = min(full, linear layers) (max when max < 1.5 x min), each kind split into
   groups of that size; blocks = available // page // group size; blocks per request = attention
-  groups x ceil(max_model_len / block) + state groups; concurrency = blocks / that; "GPU KV cache
-  size" = int(concurrency x max_model_len) tokens (v1/core/kv_cache_utils.py).
+  groups x ceil(max_model_len / block) + state groups x state blocks; concurrency = blocks / that; "GPU
+  KV cache size" = int(concurrency x max_model_len) tokens (v1/core/kv_cache_utils.py).
+- state blocks per request: 1 without prefix caching, 2 with it (MambaSpec.max_memory_usage_bytes: the
+  Mamba cache mode 'align', which models/config.py MambaModelConfig sets for Qwen3.5 whenever prefix caching
+  is on, 0.20.0-0.24.1; Qwen3.5 lacks SupportsMambaPrefixCaching, so 0.20/0.21's 'all' never applies).
+  Prefix caching is on by default for hybrid models from 0.23.0 (config/model.py
+  is_prefix_caching_supported: "Generative hybrid models support prefix caching"), off before
+  (docs/upstream/hybrid-prefix-caching-state-blocks.md).
 - CUDA graphs: capture sizes 1, 2, 4, 8..248 step 8, 256..max step 16 with max = min(2 x
   max_num_seqs, 512, max_num_batched_tokens) (config/aphrodite.py), piecewise graphs at every size,
   FULL decode graphs at sizes <= max_num_seqs, each set twice with LoRA on; estimate = the larger first
@@ -44,6 +50,21 @@ REDUNDANCY = 150 * MIB  # gpu_worker.py: the margin the engine leaves in its own
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # --dtype's other spellings (aphrodite config/model.py: ModelDType and _STR_DTYPE_TO_TORCH_DTYPE, 0.20 - 0.24.1)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+NEWEST_RELEASE = "0.24.1"  # the plan's release when none is named or installed
+PREFIX_CACHING_DEFAULT_FROM = (0, 23, 0)  # hybrid models get prefix caching by default from this release on
+
+
+def release_tuple(release: str) -> tuple[int, ...]:
+    """``"0.24.1"`` -> ``(0, 24, 1)``; a part that is not a number (``rc1``, ``dev``) stops the tuple."""
+    out = []
+    for part in release.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
 
 
 def canonical_dtype(name: str) -> str:
@@ -74,7 +95,7 @@ FULL_PER_GRAPH_LORA = 4 * MIB
 
 @dataclass
 class Engine:
-    """The engine arguments the plan depends on, resolved as aphrodite 0.21 resolves them."""
+    """The engine arguments the plan depends on, resolved as the planned release resolves them."""
 
     gpu_gib: float
     tp: int = 1
@@ -89,11 +110,26 @@ class Engine:
     max_loras: int = 1
     max_lora_rank: int = 16
     language_model_only: bool = False
+    prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching; None: the default
+    release: str | None = None  # the aphrodite-engine release planned for; None: the newest supported
 
     def __post_init__(self):
         big = self.gpu_gib >= BIG_GPU_GIB
         self.max_num_seqs = self.max_num_seqs or (1024 if big else 256)
         self.max_num_batched_tokens = self.max_num_batched_tokens or (8192 if big else 2048)
+
+    @property
+    def prefix_caching_on(self) -> bool:
+        """The flag as given, else the release's default: on for hybrid models from 0.23.0."""
+        if self.prefix_caching is not None:
+            return self.prefix_caching
+        release = release_tuple(self.release or "") or release_tuple(NEWEST_RELEASE)
+        return release >= PREFIX_CACHING_DEFAULT_FROM
+
+    @property
+    def state_blocks_per_request(self) -> int:
+        """GDN state blocks one request holds per state group: 2 in the 'align' Mamba cache mode."""
+        return 2 if self.prefix_caching_on else 1
 
     @property
     def defaults_note(self) -> str:
@@ -155,11 +191,15 @@ def kv_layout(shape, eng: Engine) -> dict:
         "group_size": group,
         "attention_groups": attn_groups,
         "state_groups": state_groups,
+        "state_blocks_per_request": eng.state_blocks_per_request,
+        "prefix_caching": eng.prefix_caching_on,
         "formula": (
             f"page per token 2 x {kv_heads} KV heads x {shape.head_dim} x {kv_bytes} B = {per_token:,} B; state page "
             f"{state:,} B (SSM state {ssm_bytes} B/value); block {block} tokens = 16 x ceil(state / (16 x page per "
             f"token)); page {page:,} B; {full} full + {linear} linear layers in groups of {group}: "
-            f"{attn_groups} attention + {state_groups} state groups"
+            f"{attn_groups} attention + {state_groups} state groups; prefix caching "
+            f"{'on' if eng.prefix_caching_on else 'off'}: {eng.state_blocks_per_request} state block(s) per request "
+            f"and group"
         ),
     }
 
@@ -167,7 +207,8 @@ def kv_layout(shape, eng: Engine) -> dict:
 def kv_capacity(layout: dict, pool: int, max_model_len: int) -> dict:
     """Blocks, concurrency and token capacity the engine reports for a KV pool of ``pool`` bytes."""
     blocks = max(0, int(pool // layout["page_bytes"] // layout["group_size"])) if layout["page_bytes"] else 0
-    per_request = layout["attention_groups"] * math.ceil(max_model_len / layout["block_size"]) + layout["state_groups"]
+    state_blocks = layout["state_groups"] * layout.get("state_blocks_per_request", 1)
+    per_request = layout["attention_groups"] * math.ceil(max_model_len / layout["block_size"]) + state_blocks
     concurrency = blocks / per_request if per_request else 0.0
     return {
         "blocks": blocks,
@@ -177,7 +218,8 @@ def kv_capacity(layout: dict, pool: int, max_model_len: int) -> dict:
         "formula": (
             f"blocks = pool // {layout['page_bytes']:,} B // {layout['group_size']} = {blocks:,}; per request "
             f"{layout['attention_groups']} x ceil({max_model_len:,} / {layout['block_size']}) + "
-            f"{layout['state_groups']} = {per_request}; concurrency {concurrency:.2f}"
+            f"{layout['state_groups']} x {layout.get('state_blocks_per_request', 1)} = {per_request}; "
+            f"concurrency {concurrency:.2f}"
         ),
     }
 
@@ -331,6 +373,8 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
             "lora": eng.lora,
             "max_loras": eng.max_loras,
             "max_lora_rank": eng.max_lora_rank,
+            "prefix_caching": eng.prefix_caching_on,
+            "release": eng.release or NEWEST_RELEASE,
             "defaults": eng.defaults_note,
         },
         "terms": terms,

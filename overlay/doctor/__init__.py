@@ -142,6 +142,8 @@ def diagnose(
     enforce_eager: bool = False,
     max_loras: int = 1,
     max_lora_rank: int = 16,
+    prefix_caching: bool | None = None,
+    release: str | None = None,
 ) -> Report:
     """Every check on the folder, each problem one finding (a broken input never stops the others)."""
     folder = Path(model_dir)
@@ -175,7 +177,8 @@ def diagnose(
             check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
             check_moe_stream(report, shape, statuses.get("P6"))
             check_moe_padding(report, shape, statuses.get("P9"))
-            check_moe_release(report, shape, installed_version())
+            release = release or installed_version()
+            check_moe_release(report, shape, release)
     report.plan = memory_plan(
         report,
         folder,
@@ -197,6 +200,8 @@ def diagnose(
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             language_model_only=language_model_only,
+            prefix_caching=prefix_caching,
+            release=release,
         ),
     )
     return report

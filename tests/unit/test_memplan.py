@@ -131,3 +131,40 @@ def test_doctor_blocks_a_pool_with_fewer_cache_blocks_than_sequences_under_cuda_
     assert plan["min_kv_cache_memory_for_graphs"] > plan["kv_pool_bytes"]
     (eager,), _ = findings("--max-num-seqs", str(too_many), "--enforce-eager")  # no graphs, no such check
     assert eager["level"] == "OK"
+
+
+def test_prefix_caching_holds_two_state_blocks_per_request_from_0_23(tmp_path):
+    """0.23.0+ turn prefix caching on for hybrid models by default and with it the 'align' Mamba cache mode: each
+    request holds two state blocks per state group (run 15's and run 17's 0.24.1 logs, run 10's 0.21.0 log
+    with --enable-prefix-caching; rows above). doctor plans for the installed release, else 0.24.1."""
+    from hybrid_exl3_fixes.doctor import diagnose
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    folder = tmp_path / "t" / "exl3"
+
+    def plan(**kw):
+        return diagnose(folder, gpu_mem=24, max_model_len=2048, check_overlay=False, **kw).plan
+
+    newest, old = plan(), plan(release="0.21.0")
+    assert newest["engine"]["release"] == "0.24.1" and newest["layout"]["state_blocks_per_request"] == 2
+    assert old["layout"]["state_blocks_per_request"] == 1 and not old["engine"]["prefix_caching"]
+    assert plan(release="0.22.0")["layout"]["state_blocks_per_request"] == 1
+    assert plan(release="0.23.0")["layout"]["state_blocks_per_request"] == 2
+    assert plan(prefix_caching=False)["layout"]["state_blocks_per_request"] == 1
+    assert plan(release="0.21.0", prefix_caching=True)["layout"]["state_blocks_per_request"] == 2
+    # the pool and blocks are the same; the requests they hold are fewer
+    assert newest["capacity"]["blocks"] == old["capacity"]["blocks"]
+    per = newest["layout"]["attention_groups"] * -(-2048 // newest["layout"]["block_size"])
+    assert newest["capacity"]["blocks_per_request"] == per + 2 * newest["layout"]["state_groups"]
+    assert newest["max_concurrency"] < old["max_concurrency"]
+    assert "prefix caching on: 2 state block(s)" in newest["layout"]["formula"]
+
+
+@pytest.mark.parametrize("bad", ["latest", "0.24", "0.24.1.2", "a.b.c", ""])
+def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
+    from hybrid_exl3_fixes.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", str(tmp_path), "--release", bad])
+    assert exc.value.code == 2 and "is not a release number like 0.24.1" in capsys.readouterr().err
