@@ -117,6 +117,17 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def state_note(config: dict) -> str:
+    """Which dtype the engine kept the GDN state in: the config's mamba_ssm_dtype, else the activations'."""
+    text = config.get("text_config", config)
+    if text.get("mamba_ssm_dtype"):
+        return f"GDN state: {text['mamba_ssm_dtype']} (the config's `mamba_ssm_dtype`, as published)."
+    return (
+        "GDN state: bfloat16, the activations' dtype (a checkpoint written before make-tiny set `mamba_ssm_dtype`; "
+        "the published models keep it in float32, twice the state bytes)."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", type=Path)
@@ -140,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             p.error(f"{preset}: {exc.filename} is missing (--fallback names a run that has it)")
         all_rows += rows
+        inputs = json.loads(find(args.results, f"inputs-{preset}-exl3.json", args.fallback, []).read_text())
         md += [
             f"## {preset}",
+            "",
+            state_note(inputs["config.json"]),
             "",
             *(
                 [f"From another run (ratios on them are across runs): {', '.join(f'`{b}`' for b in borrowed)}", ""]
