@@ -8,35 +8,28 @@ from pathlib import Path
 
 from .tinyspec import SPECIAL_TOKENS, THINK_TOKENS, TinySpec
 
-# Added (not special) tokens, as Qwen3-family tokenizers have them: the template writes them and a
-# reasoning parser reads them back from the detokenized text.
-
-
 # The image and video processor configs every published Qwen3.5/3.6 repository ships (Qwen3.6-27B,
 # Qwen3.6-35B-A3B: preprocessor_config.json, video_preprocessor_config.json), with their values; exllamav3
 # copies them, its Qwen3.5 config reader opens the first (read_qwen3_vl_pp_config), and aphrodite's
 # multimodal start-up ("Can't load image processor") needs both unless --language-model-only.
-PREPROCESSOR = {
-    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+_VISION_PROCESSOR = {
     "patch_size": 16,
     "temporal_patch_size": 2,
     "merge_size": 2,
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
     "processor_class": "Qwen3VLProcessor",
+}
+PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    **_VISION_PROCESSOR,
     "image_processor_type": "Qwen2VLImageProcessorFast",
 }
 VIDEO_PREPROCESSOR = {
     "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "processor_class": "Qwen3VLProcessor",
+    **_VISION_PROCESSOR,
     "video_processor_type": "Qwen3VLVideoProcessor",
 }
-
 
 # The chat template, in the Qwen3 family's ChatML form as Qwen3.5/3.6 checkpoints ship it in
 # chat_template.jinja (written for this project, not copied): system/user/assistant/tool turns,
