@@ -15,8 +15,10 @@ pip_retry() {
   python -m pip install --help 2>/dev/null | grep -q -- --resume-retries && resume=(--resume-retries 20)
   for i in 1 2 3; do
     out=$(python -m pip install -q --retries 10 "${resume[@]}" "$@" 2>&1) && rc=0 || rc=$?
-    printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e '^$' >&2 || true
+    # quiet unless something is wrong: a successful install's warnings (setuptools' deprecation notices for the
+    # license table that older build backends need) are not shown
     [ "$rc" = 0 ] && return 0
+    printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e '^$' >&2 || true
     echo "setup: pip install $* failed with status $rc (try $i of 3)" >&2
     [ "$i" = 3 ] || sleep $((i * 10))
   done

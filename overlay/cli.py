@@ -79,6 +79,10 @@ def package_version() -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    # quiet unless something is wrong: aphrodite's import-time INFO/WARNING lines (no libcuda on a CPU machine,
+    # Triton without a driver, UCX settings) say nothing about the patches; the table says what matters. A
+    # logging level the user set is kept.
+    os.environ.setdefault("APHRODITE_LOGGING_LEVEL", "ERROR")
     import hybrid_exl3_fixes as overlay
 
     gate = overlay.plugin_gate()

@@ -84,3 +84,20 @@ def test_an_aphrodite_module_that_is_gone_is_still_drift():
     old = ImportError("cannot import name 'Grammar' from 'xgrammar'", name="xgrammar")
     found = classify_import_error("aphrodite.x", old)
     assert isinstance(found, BrokenInstall) and "does not provide what it needs" in str(found)
+
+
+@needs_aphrodite
+def test_status_is_quiet_unless_something_is_wrong():
+    """aphrodite's import-time notices (no libcuda on this machine, Triton without a driver, UCX) do not reach
+    the status output; the table, the summary line and the off switch do."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_exl3_fixes.cli", "status"],
+        env=subprocess_env(aphrodite_site()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1), out[-2000:]
+    assert not any(word in out for word in ("libcuda", "Triton", "UCX_")), out[:2000]
+    assert out.lstrip().startswith("patch ") and "hybrid-exl3-fixes: applied=" in out and "Off switch:" in out
