@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on one GPU (the H200 through the device tool, after ../shared/device/stage.sh):
+# Issue 7 on one GPU (the H200 through the device tool, after ci/stage-0.21.sh):
 #   OUT=DIR HXF_SITE=/tmp/devsite bash bench/run-serving.sh SECONDS [serving.py options]
 # installs the overlay as a distribution next to aphrodite in HXF_SITE, writes the four 27B-width
 # checkpoints once (make-tiny --device cuda; only mcg keeps its dense twin), runs or resumes

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on one H200 (after ../shared/device/stage.sh and its install call, with exllamav3's wheel and
+# Issue 18 on one H200 (after ci/stage-0.21.sh and its install call, with exllamav3's wheel and
 # extension in .cache/ for ci/exllamav3-env.sh: carried, or built by ci/device-session-issues.sh), run detached by ci/device-bg.sh. Resumable: a
 # finished piece is skipped. Results under /tmp/hxf-out/fulldepth (bundle: fulldepth-results.tgz).
 #   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only); NAME:CODEBOOK

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 17, 18 and 19 in one H200 device session (after ../shared/device/stage.sh's calls and its install
+# Issues 17, 18 and 19 in one H200 device session (after ci/stage-0.21.sh's calls and its install
 # call, with .cache/wheels/exllamav3-1.6.5-py3-none-any.whl carried), run detached by ci/device-bg.sh so
 # it may outlast one device call. Each stage is resumable; results under /tmp/hxf-out/{moe,fulldepth,cal}.
 #   0. in the background from the start: the checkpoints of the later stages (make-tiny's full-depth presets and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 17 and 19 on one H200 (after ../shared/device/stage.sh and its install call), run detached by
+# Issues 17 and 19 on one H200 (after ci/stage-0.21.sh and its install call), run detached by
 # ci/device-bg.sh so it may outlast one device call. Results under /tmp/hxf-out/{moe,cal}.
 #  1. the MoE server suite (tests/gpu/test_moe_server.py: each cell one `aphrodite run`, all at once),
 #     while the calibration checkpoints are written on the same GPU (make-tiny --device cuda);

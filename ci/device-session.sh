@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 on one H200 (after ../shared/device/stage.sh and its install call), run detached by
+# Issue 15 on one H200 (after ci/stage-0.21.sh and its install call), run detached by
 # ci/device-bg.sh so it may outlast one device call. Writes /tmp/hxf-out/{server,bench}-results.tgz.
 #  1. the server suite (tests/gpu/test_server.py: every cell one `aphrodite run`, all started at once);
 #  2. issue 7's serving benchmark on a bfloat16 27B-width checkpoint, default compiled mode, LoRA

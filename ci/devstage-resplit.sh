@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-split ../shared/device/stage.sh's .devstage/ into parts that fit one device call beside this repository.
+# Re-split ci/stage-0.21.sh's .devstage/ into parts that fit one device call beside this repository.
 #
 # Why: a call carries 64 MiB in all, the tracked tree included (4.6 MB on 2026-12-01); stage.sh writes parts of
 # 60 MiB, and run 13's first call was refused for it. Same payload, smaller parts, scripts rewritten to match
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 MIB="${1:-52}"
 parts=$(ls -d .devstage/[0-9]* 2>/dev/null | sort -V || true)
-[ -n "$parts" ] && [ -e .devstage/install/install.sh ] || { echo "no .devstage/ here: run ../shared/device/stage.sh first"; exit 2; }
+[ -n "$parts" ] && [ -e .devstage/install/install.sh ] || { echo "no .devstage/ here: run ci/stage-0.21.sh first"; exit 2; }
 old=$(echo "$parts" | wc -l)
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 for d in $parts; do cat "$d/chunk"; done > "$TMP/payload"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU driver: one prelude (the staged aphrodite's site, this project installed once, a Triton cache and a
 # port range per release), then named stages, all started at once and waited for. Run detached on the H200 by
-# ci/device-bg.sh after the staging calls (ci/stage-0.24.sh for 0.24.x, ../shared/device/stage.sh for 0.21.0).
+# ci/device-bg.sh after the staging calls (ci/stage-0.24.sh for 0.24.x, ci/stage-0.21.sh for 0.21.0).
 #   bash ci/gpu-run.sh RELEASE STAGE[:ARG] ...
 #   RELEASE   0.24 (/tmp/devsite24: site/ and torch/) or 0.21 (/tmp/devsite)
 #   server:CELLS           tests/gpu/test_server.py, HXF_SERVER_CELLS=CELLS (comma list; the tiny dense model)

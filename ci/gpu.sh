@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite in one call (make test-gpu; on the H200 through the device tool after
-# ../shared/device/stage.sh): installs this project as a real distribution next to aphrodite,
+# ci/stage-0.21.sh): installs this project as a real distribution next to aphrodite,
 # prints `hybrid-exl3-fixes status`, runs tests/gpu, writes the log, the JSON results and a
 # markdown summary under OUT (default ./out).
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage aphrodite-engine 0.24.x for the H200 machine (issue 17, deliverable 4), the way
-# ../shared/device/stage.sh stages 0.21.0: build the payload here, split it into parts of <= 52 MiB
+# ci/stage-0.21.sh stages 0.21.0: build the payload here, split it into parts of <= 52 MiB
 # under .devstage-0.24/ (git-ignored) and print the device calls.
 #
 # Why it differs: 0.22.0 and later pin torch 2.13.0 and triton 3.7.1, and the GPU image has torch

@@ -1,4 +1,4 @@
-"""ci/devstage-resplit.sh: ../shared/device/stage.sh's parts re-split to fit one device call (run 13's first call
+"""ci/devstage-resplit.sh: ci/stage-0.21.sh's parts re-split to fit one device call (run 13's first call
 was refused at 60 MiB plus the tracked tree). Fake input: a .devstage/ of random parts in a scratch git repo."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_without_a_staged_folder_it_says_what_to_run_and_changes_nothing(tmp_pat
         shutil.rmtree(repo / ".devstage" / "install")
     before = sorted(str(p.relative_to(repo)) for p in (repo / ".devstage").rglob("*"))
     proc = resplit(repo)
-    assert proc.returncode == 2 and "run ../shared/device/stage.sh first" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "run ci/stage-0.21.sh first" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(str(p.relative_to(repo)) for p in (repo / ".devstage").rglob("*")) == before
 
