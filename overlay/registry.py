@@ -145,6 +145,9 @@ class Patch:
     # A stale ``from x import y`` copy may sit in modules nobody listed (plugins, newer
     # aphrodite files): replace those too when they hold the exact original function.
     scan_stale_copies_of: tuple[str, ...] = ()
+    # on_undo() -> None: the patch's own runtime state (caches, objects it changed after apply, at load time)
+    # back to what it was before apply; called by undo after the replaced attributes are restored
+    on_undo: Callable[[], None] | None = None
 
 
 @dataclass
@@ -376,6 +379,16 @@ class Registry:
         _, saved = self._stack.pop()
         self._restore(saved)
         self.results.pop(patch.id, None)
+        if patch.on_undo is not None:
+            try:
+                patch.on_undo()
+            except Exception as exc:  # undo never raises for a patch's state; the attributes are restored already
+                logger.warning(
+                    "hybrid-exl3-fixes: %s: resetting its state on undo raised %s: %s",
+                    patch.id,
+                    type(exc).__name__,
+                    exc,
+                )
         return True
 
     def undo_all(self) -> list[str]:

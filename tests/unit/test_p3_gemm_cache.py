@@ -305,3 +305,45 @@ def test_a_probe_that_raises_routes_nothing_and_warns_once(plan, monkeypatch, ca
     assert len(calls) == 1 and plan.VERDICTS[0].codebook_blind is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "Failed to find valid kernel" in warnings[0]
+
+
+def test_undo_resets_what_p3_changed_at_load(plan):
+    """P3's state is its own and undo resets it: the routed layer's instance ``_apply_one`` and routes go, the
+    unfused qkv gets its ``exl3_can_mgemm`` back, the planner, verdicts and warn-once flag start afresh."""
+    method, layer = loaded(plan, "model.layers.0.mlp.down_proj", {None: linear("mcg", 256, 512)})
+    plan.plan_layer(method, layer, BLIND)
+    qkv = {"q": linear("mul1", 256, 512), "k": linear("mul1", 256, 256), "v": linear("mul1", 256, 256, seed=2)}
+    method, layer = loaded(plan, "model.layers.3.self_attn.qkv_proj", qkv)
+    assert plan.plan_layer(method, layer, BLIND) and not layer.exl3_can_mgemm and "_apply_one" in vars(method)
+    plan.VERDICTS[0] = BLIND
+    assert plan.PATCH_P3.on_undo is plan.reset_state
+    plan.PATCH_P3.on_undo()
+    assert layer.exl3_can_mgemm and "_apply_one" not in vars(method) and not hasattr(layer, "hxf_exl3_routes")
+    assert plan.PLANNER.owners == {} and plan.VERDICTS == {} and plan._warned is False and plan._CHANGED == []
+
+
+def test_registry_undo_runs_the_patch_reset():
+    from hybrid_exl3_fixes.registry import Patch, Registry, Target
+
+    class Owner:
+        def f(self):
+            return "bug"
+
+    calls = []
+    patch = Patch(
+        id="PX",
+        slug="x",
+        title="x",
+        upstream="-",
+        fixed_in=None,
+        retire_when="-",
+        targets=(Target(__name__, "Owner.f", params=("self",)),),
+        probe=lambda live: live[f"{__name__}.Owner.f"].function(None) == "bug",
+        build=lambda live: {f"{__name__}.Owner.f": lambda self: "fixed"},
+        on_undo=lambda: calls.append("reset"),
+    )
+    globals()["Owner"] = Owner
+    registry = Registry([patch])
+    result = registry.apply(patch)
+    assert result.status.value == "APPLIED" and Owner().f() == "fixed", result.reason
+    assert registry.undo(patch) and Owner().f() == "bug" and calls == ["reset"]

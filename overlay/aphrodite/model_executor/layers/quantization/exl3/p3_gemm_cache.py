@@ -55,6 +55,25 @@ CODEBOOK_FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False,
 PLANNER = dispatch.Planner()
 VERDICTS: dict[int, dispatch.ProbeVerdict] = {}  # per CUDA device index, for this process
 _warned = False
+# (method, layer, exl3_can_mgemm before planning) of every layer the plan changed; reset_state undoes them
+_CHANGED: list[tuple[Any, Any, Any]] = []
+
+
+def reset_state() -> None:
+    """P3's undo of what it did at load time: every routed layer gets its own ``exl3_can_mgemm`` back and
+    loses its routes, every method its instance ``_apply_one``; the planner, the probe verdicts and the
+    warn-once flag start afresh. (The ``exl3_linear_routed`` custom op stays registered with torch: an op
+    cannot be unregistered, and nothing calls it once no layer is routed.)"""
+    global _warned
+    for method, layer, can_mgemm in reversed(_CHANGED):
+        vars(method).pop("_apply_one", None)
+        vars(layer).pop("hxf_exl3_routes", None)
+        if can_mgemm is not None:
+            layer.exl3_can_mgemm = can_mgemm
+    _CHANGED.clear()
+    PLANNER.owners.clear()
+    VERDICTS.clear()
+    _warned = False
 
 
 def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
@@ -112,11 +131,12 @@ def plan_layer(
         ]
 
     shards = small_batch_gemm_shards(layer)
+    can_mgemm = None
     if getattr(layer, "exl3_can_mgemm", False) and any(
         PLANNER.conflicts_with(key, cb) for _, key, cb in entries(shards)
     ):
         # q of a fused qkv conflicts: q, k and v each take the per-shard path, planned below
-        layer.exl3_can_mgemm = False
+        can_mgemm, layer.exl3_can_mgemm = layer.exl3_can_mgemm, False
         shards = list(layer.exl3_shard_ids)
     routes = {}
     for shard, key, cb in entries(shards):
@@ -127,6 +147,8 @@ def plan_layer(
         launch = dispatch.forced_launch(device_class, *key, device_sms) if verdict.forced_ok else None
         routes[shard] = launch or (0, 0)
         _report_route(label, cb, key, owner, routes[shard])
+    if routes or can_mgemm is not None:
+        _CHANGED.append((method, layer, can_mgemm))
     if routes:
         layer.hxf_exl3_routes = routes
         method._apply_one = types.MethodType(_routed_apply_one, method)
@@ -297,4 +319,5 @@ PATCH_P3 = Patch(
     targets=(PROCESS_WEIGHTS,),
     probe=probe_codebook_blind_gemm_cache,
     build=build_load_time_plan,
+    on_undo=reset_state,
 )

@@ -44,6 +44,8 @@ from .common import MODULE
 
 APPLY = Target(MODULE, "Exl3LinearMethod.apply", params=("self", "layer", "x", "bias"))
 VIEW_OPS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.alias.default")
+# the custom op, registered with torch on first use; it outlives an undo (torch cannot unregister an op), and
+# only the patched apply calls it, so after undo it is inert
 _CAT_OP = None
 
 
