@@ -255,10 +255,9 @@ def cmd_stubs(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from hybrid_exl3_fixes.doctor import as_json, diagnose, render
+    from hybrid_exl3_fixes.doctor import Options, as_json, diagnose, render
 
-    report = diagnose(
-        args.model_dir,
+    options = Options(
         gpu_mem=args.gpu_mem,
         gpus=args.gpus,
         tp=args.tp,
@@ -277,6 +276,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         prefix_caching=args.enable_prefix_caching,
         release=args.release,
     )
+    report = diagnose(args.model_dir, options)
     if args.json:
         print(as_json(report), file=args.json_out)
     else:

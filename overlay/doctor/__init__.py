@@ -16,6 +16,7 @@ The memory plan counts what a hybrid model really holds:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from .base import (
     ROW,
     TOKENIZER_SETS,
     Finding,
+    Options,
     Report,
 )
 from .engine_checks import (
@@ -73,6 +75,7 @@ __all__ = [
     "MOE_STREAM_DOC",
     "PROCESSOR_FILES",
     "ROW",
+    "Options",
     "Report",
     "Shape",
     "TOKENIZER_SETS",
@@ -125,27 +128,14 @@ def overlay_status(report: Report) -> dict[str, str]:
     return {r.patch.id: r.status.value for r in results}
 
 
-def diagnose(
-    model_dir: str | Path,
-    gpu_mem: float | None = None,
-    gpus: int = 1,
-    tp: int = 1,
-    max_model_len: int | None = None,
-    max_num_seqs: int | None = None,
-    kv_dtype: str = "auto",
-    utilization: float = 0.92,
-    language_model_only: bool = False,
-    check_overlay: bool = True,
-    enable_lora: bool = False,
-    dtype: str = "auto",
-    max_num_batched_tokens: int | None = None,
-    enforce_eager: bool = False,
-    max_loras: int = 1,
-    max_lora_rank: int = 16,
-    prefix_caching: bool | None = None,
-    release: str | None = None,
-) -> Report:
-    """Every check on the folder, each problem one finding (a broken input never stops the others)."""
+def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> Report:
+    """Every check on the folder, each problem one finding (a broken input never stops the others). The engine
+    is described by ``options``, or by its fields given as keywords (``diagnose(d, gpu_mem=24, tp=2)``)."""
+    if options is None:
+        options = Options(**flags)
+    elif flags:
+        options = dataclasses.replace(options, **flags)
+    o = options
     folder = Path(model_dir)
     report = Report(str(folder))
     if not folder.is_dir():
@@ -161,49 +151,43 @@ def diagnose(
         return report
     config, shape = read_config(report, folder)
     shape = shape or Shape()
-    check_files(report, folder, shape, language_model_only)
+    check_files(report, folder, shape, o.language_model_only)
     tensors = read_weights(report, folder)
     if not tensors and not any(f.check == "weights" for f in report.findings):
         report.add("WARN", "weights", "no *.safetensors in the folder: the weight plan below is empty")
     if config is not None:
-        check_exl3(report, folder, shape, tensors, tp)
+        check_exl3(report, folder, shape, tensors, o.tp)
     counts = {t: shape.layer_types.count(t) for t in sorted(set(shape.layer_types))}
     report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
-    if check_overlay:
+    release = o.release
+    if o.check_overlay:
         statuses = overlay_status(report)
         if config is not None:
-            check_compiled_mode(report, shape, enable_lora, dtype, statuses.get("P4"))
-            check_moe_lora(report, shape, enable_lora, statuses.get("P5"))
-            check_moe_graphs(report, shape, enforce_eager, statuses.get("P7"))
+            check_compiled_mode(report, shape, o.enable_lora, o.dtype, statuses.get("P4"))
+            check_moe_lora(report, shape, o.enable_lora, statuses.get("P5"))
+            check_moe_graphs(report, shape, o.enforce_eager, statuses.get("P7"))
             check_moe_stream(report, shape, statuses.get("P6"))
             check_moe_padding(report, shape, statuses.get("P9"))
             release = release or installed_version()
             check_moe_release(report, shape, release)
-    report.plan = memory_plan(
-        report,
-        folder,
-        shape,
-        tensors,
-        gpu_mem,
-        gpus,
-        Engine(
-            gpu_mem or 0,
-            tp=tp,
-            utilization=utilization,
-            max_model_len=max_model_len or shape.max_position or 4096,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_dtype=kv_dtype,
-            dtype=activation_dtype(shape, dtype)[0],
-            eager=enforce_eager,
-            lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            language_model_only=language_model_only,
-            prefix_caching=prefix_caching,
-            release=release,
-        ),
+    engine = Engine(
+        o.gpu_mem or 0,
+        tp=o.tp,
+        utilization=o.utilization,
+        max_model_len=o.max_model_len or shape.max_position or 4096,
+        max_num_seqs=o.max_num_seqs,
+        max_num_batched_tokens=o.max_num_batched_tokens,
+        kv_dtype=o.kv_dtype,
+        dtype=activation_dtype(shape, o.dtype)[0],
+        eager=o.enforce_eager,
+        lora=o.enable_lora,
+        max_loras=o.max_loras,
+        max_lora_rank=o.max_lora_rank,
+        language_model_only=o.language_model_only,
+        prefix_caching=o.prefix_caching,
+        release=release,
     )
+    report.plan = memory_plan(report, folder, shape, tensors, o.gpu_mem, o.gpus, engine)
     return report
 
 

@@ -24,6 +24,31 @@ CONFIG_DTYPES = ("bfloat16", "float16", "float32", "half", "float", "auto")
 COMPILED_CRASH_DOC = "docs/upstream/exl3-compiled-illegal-address.md"
 
 
+@dataclass(frozen=True)
+class Options:
+    """What doctor is told about the engine that will serve the folder: the engine's own flags where it has one
+    (defaults as `aphrodite run` resolves them), plus ``gpu_mem`` and ``gpus`` (the machine) and
+    ``check_overlay`` (whether to evaluate the patches in this process)."""
+
+    gpu_mem: float | None = None  # GiB per GPU; None: no KV pool or concurrency plan
+    gpus: int = 1
+    tp: int = 1
+    max_model_len: int | None = None  # None: the config's max_position_embeddings
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_dtype: str = "auto"
+    utilization: float = 0.92
+    language_model_only: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    prefix_caching: bool | None = None  # None: the release's default
+    release: str | None = None  # None: the installed release, else memplan.NEWEST_RELEASE
+    check_overlay: bool = True
+
+
 @dataclass
 class Finding:
     level: str  # OK | WARN | BLOCK

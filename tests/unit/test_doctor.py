@@ -288,3 +288,22 @@ def test_status_lists_patches_by_number():
     ids = [p.id for p in overlay.PATCHES]
     assert ids.index("P9") < ids.index("P7")  # the apply order
     assert sorted(ids, key=patch_number) == ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P9", "P10"]
+
+
+def test_one_options_object_and_the_command_line_agree(tiny):
+    """diagnose takes one Options (or its fields as keywords, the same thing); the command line's defaults are
+    Options' defaults, so `doctor DIR` and diagnose(DIR) plan the same engine."""
+    import dataclasses
+
+    from hybrid_exl3_fixes.cli import build_parser
+    from hybrid_exl3_fixes.doctor import Options
+
+    by_object = diagnose(tiny, Options(gpu_mem=24, tp=2, check_overlay=False))
+    by_keywords = diagnose(tiny, gpu_mem=24, tp=2, check_overlay=False)
+    assert by_object.plan == by_keywords.plan and by_object.exit_code == by_keywords.exit_code
+    args = build_parser().parse_args(["doctor", str(tiny)])
+    cli_names = {"gpu_memory_utilization": "utilization", "enable_prefix_caching": "prefix_caching"}
+    defaults = {cli_names.get(k, k): v for k, v in vars(args).items()}
+    for f in dataclasses.fields(Options):
+        if f.name != "check_overlay":
+            assert defaults[f.name] == f.default, f.name
