@@ -1,4 +1,4 @@
-"""hybrid-exl3-fixes: runtime overlay for Aphrodite 0.20/0.21 (EXL3 + LoRA on Qwen3.5/3.6 hybrids).
+"""hybrid-exl3-fixes: runtime overlay for Aphrodite 0.20.0-0.24.1 (EXL3 + LoRA on Qwen3.5/3.6 hybrids).
 
 Aphrodite calls :func:`register` through the ``aphrodite.general_plugins`` entry point once in
 every process it starts (process 0, engine core, each worker, the model-inspection subprocess).
@@ -8,8 +8,11 @@ every process it starts (process 0, engine core, each worker, the model-inspecti
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
+import subprocess
+import sys
 
 from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
@@ -24,6 +27,7 @@ __all__ = [
     "apply_all",
     "undo_all",
     "status",
+    "status_report",
     "summary",
     "register",
     "plugin_gate",
@@ -63,6 +67,32 @@ def status() -> list[Result]:
     if len(REGISTRY.results) < len(PATCHES):
         apply_all()
     return [REGISTRY.results[patch.id] for patch in PATCHES]
+
+
+_REPORTS: dict[tuple, dict] = {}
+
+
+def status_report(timeout: float = 600) -> dict:
+    """What ``hybrid-exl3-fixes status --json`` answers in a fresh process: the patches as each process aphrodite
+    starts will see them (``summary``, ``plugin_gate``, ``patches`` as ``Result.as_dict``). Read-only for the
+    caller: nothing is imported or patched here. Cached per process for the environment that decides the answer
+    (the off switch, APHRODITE_PLUGINS, PYTHONPATH). Raises RuntimeError when the child gives no report."""
+    key = tuple(os.environ.get(k) for k in (DISABLE_ENV, "APHRODITE_PLUGINS", "PYTHONPATH"))
+    if key not in _REPORTS:
+        env = dict(os.environ, APHRODITE_LOGGING_LEVEL=os.environ.get("APHRODITE_LOGGING_LEVEL", "ERROR"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybrid_exl3_fixes.cli", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+        try:
+            _REPORTS[key] = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            raise RuntimeError(f"`hybrid-exl3-fixes status --json` gave no report: {tail[0]}") from None
+    return _REPORTS[key]
 
 
 def aphrodite_version() -> str | None:

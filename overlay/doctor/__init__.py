@@ -111,21 +111,23 @@ __all__ = [
 
 
 def overlay_status(report: Report) -> dict[str, str]:
-    """Adds the overlay's summary; returns {patch id: status} (empty when it cannot be evaluated)."""
+    """Adds the overlay's summary; returns {patch id: status} (empty when it cannot be evaluated). Read from a
+    fresh process (``status_report``): doctor neither patches nor imports aphrodite in its own."""
     try:
         import hybrid_exl3_fixes as overlay
 
-        results = overlay.status()
+        data = overlay.status_report()
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
         return {}
-    drifted = [r for r in results if r.is_problem]
-    gate = overlay.plugin_gate()
+    problems = {"DRIFTED", "FAILED", "BROKEN_INSTALL"}
+    gate = data.get("plugin_gate")
     if gate:  # the table is what it would do; the engine will run without it
         report.add("WARN", "overlay", f"aphrodite will not load the overlay: {gate}")
-        return {r.patch.id: f"not loaded ({gate})" for r in results}
-    report.add("WARN" if drifted else "OK", "overlay", overlay.summary(results))
-    return {r.patch.id: r.status.value for r in results}
+        return {p["id"]: f"not loaded ({gate})" for p in data["patches"]}
+    drifted = any(p["status"] in problems for p in data["patches"])
+    report.add("WARN" if drifted else "OK", "overlay", data["summary"])
+    return {p["id"]: p["status"] for p in data["patches"]}
 
 
 def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> Report:

@@ -307,3 +307,34 @@ def test_one_options_object_and_the_command_line_agree(tiny):
     for f in dataclasses.fields(Options):
         if f.name != "check_overlay":
             assert defaults[f.name] == f.default, f.name
+
+
+READ_ONLY = """
+import json, sys
+from hybrid_exl3_fixes.doctor import diagnose
+import hybrid_exl3_fixes as overlay
+report = diagnose(sys.argv[1], language_model_only=True)
+print(json.dumps({"aphrodite": "aphrodite" in sys.modules, "torch": "torch" in sys.modules,
+                  "results": len(overlay.REGISTRY.results), "overlay": [f.message for f in report.findings
+                  if f.check == "overlay"]}))
+"""
+
+
+def test_doctor_patches_nothing_in_its_own_process(tiny):
+    """The overlay's table comes from a fresh `status --json` process: doctor's own process imports neither
+    aphrodite nor torch and applies no patch, and still reports what the engine's processes will do."""
+    import subprocess
+    import sys
+
+    from helpers import HAS_APHRODITE, aphrodite_site, subprocess_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_ONLY, str(tiny)],
+        env=subprocess_env(aphrodite_site() if HAS_APHRODITE else None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["aphrodite"] is False and out["torch"] is False and out["results"] == 0, out
+    assert out["overlay"] and "hybrid-exl3-fixes: applied=" in out["overlay"][0], out
