@@ -148,6 +148,10 @@ class Patch:
     # on_undo() -> None: the patch's own runtime state (caches, objects it changed after apply, at load time)
     # back to what it was before apply; called by undo after the replaced attributes are restored
     on_undo: Callable[[], None] | None = None
+    # True where the probe run after apply recognises the patch by its tag on the replaced function instead of
+    # exercising the fix (P3, P9, P10: the bug lives in a GPU kernel's inputs; the CPU suite and the GPU drop-ins
+    # test the behaviour); the APPLIED result says so
+    checks_tag_after_apply: bool = False
 
 
 @dataclass
@@ -343,7 +347,8 @@ class Registry:
             self._restore(saved)
             return Result(patch, Status.FAILED, "the probe still sees the bug after patching; rolled back")
         self._stack.append((patch.id, saved))
-        return Result(patch, Status.APPLIED, f"replaced {len(replaced)} attribute(s)", replaced)
+        how = "; checked after apply by its tag, not by behaviour" if patch.checks_tag_after_apply else ""
+        return Result(patch, Status.APPLIED, f"replaced {len(replaced)} attribute(s){how}", replaced)
 
     @staticmethod
     def _set(owner: Any, name: str, value: Any) -> _Saved:

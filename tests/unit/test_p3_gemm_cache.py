@@ -322,6 +322,7 @@ def test_undo_resets_what_p3_changed_at_load(plan):
     assert plan.PLANNER.owners == {} and plan.VERDICTS == {} and plan._warned is False and plan._CHANGED == []
 
 
+@needs_aphrodite  # the registry answers NOT_APPLICABLE for every patch where aphrodite is not installed
 def test_registry_undo_runs_the_patch_reset():
     from hybrid_exl3_fixes.registry import Patch, Registry, Target
 

@@ -147,4 +147,5 @@ PATCH_P10 = Patch(
     targets=(MOE_LOAD,),
     probe=probe_moe_context_before_capture,
     build=build_moe_context_warmup,
+    checks_tag_after_apply=True,
 )

@@ -320,4 +320,5 @@ PATCH_P3 = Patch(
     probe=probe_codebook_blind_gemm_cache,
     build=build_load_time_plan,
     on_undo=reset_state,
+    checks_tag_after_apply=True,
 )

@@ -127,4 +127,5 @@ PATCH_P9 = Patch(
     targets=(MOE_APPLY,),
     probe=probe_moe_padding_ids,
     build=build_moe_padding_ids,
+    checks_tag_after_apply=True,
 )
