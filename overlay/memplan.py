@@ -7,7 +7,7 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
 
 - requested memory = ceil(total x --gpu-memory-utilization) (v1/worker/utils.py request_memory); the
   utilization's default is 0.92 in aphrodite 0.20.0 - 0.24.1 (config/cache.py CacheConfig; vLLM's is 0.9:
-  this plan assumed 0.9 until run 14's log said "desired GPU memory utilization (0.92, ...)");
+  the engine logs it as "desired GPU memory utilization (0.92, ...)");
   available KV = requested - (weights + torch peak + non-torch increase) - CUDA graph estimate
   (v1/worker/gpu_worker.py determine_available_memory; the estimate is subtracted by default since
   0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1).
@@ -84,7 +84,7 @@ def kv_value_bytes(kv_dtype: str, dtype: str) -> int:
     return dtype_bytes(dtype if kv_dtype == "auto" else kv_dtype)
 
 
-# Measured on the H200 (run 11, docs/gpu-results.md "memory plan"); see each term for what they stand for.
+# Measured on the H200 (the calibration rows of bench/results/memory_plan.md); each term says what it stands for.
 NON_TORCH = int(0.27 * GIB)  # non-torch increase during profiling at TP 1 (cuBLAS/Triton workspaces)
 LOAD_OVERHEAD = 30 * MIB  # model loading beyond the tensors: fixed part ...
 LOAD_OVERHEAD_PER_LAYER = 4 * MIB  # ... and per decoder layer (tiny-moe 0.05 GiB, 9B 0.158 GiB over headers)
@@ -154,7 +154,7 @@ def capture_sizes(eng: Engine) -> tuple[list[int], list[int]]:
 def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]:
     """One GDN layer's state per sequence and rank: (recurrent bytes, conv bytes, recurrent and conv bytes per
     value). aphrodite 0.21 keeps both in the activations' dtype unless the config's ``mamba_ssm_dtype`` names the
-    recurrent state's (models/config.py; run 11's block size and padding confirmed 2 B for a bfloat16 config)."""
+    recurrent state's (models/config.py; the logged block sizes and page padding follow it: bench/results/memory_plan.md)."""
     if not (shape.linear_layers and shape.gdn):
         return 0, 0, 0, 0
     g = shape.gdn

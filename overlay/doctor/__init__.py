@@ -8,7 +8,7 @@ The memory plan counts what a hybrid model really holds:
   ``full_layers x kv_heads x head_dim x 2 (K and V) x bytes(kv dtype)``;
 - per-sequence recurrent state in each linear-attention (GatedDeltaNet) layer, independent of context:
   ``value_heads x key_head_dim x value_head_dim x bytes`` (the activations' dtype unless the config's
-  ``mamba_ssm_dtype`` says otherwise: aphrodite 0.21, run 11's block size) plus the conv state
+  ``mamba_ssm_dtype`` says otherwise, as the engine's block size follows) plus the conv state
   ``(2 x key_dim + value_dim) x (conv_kernel - 1) x 2 bytes``;
 - weights exactly as stored (EXL3 trellis, scales and markers counted from the safetensors headers);
 - given ``--gpu-mem``, the engine's own arithmetic to its KV pool, tokens and concurrency (memplan.py).

@@ -28,8 +28,8 @@ def is_exl3_moe(shape: Shape) -> bool:
 
 def check_moe_lora(report: Report, shape: Shape, enable_lora: bool, p5_status: str | None) -> None:
     """EXL3 MoE + --enable-lora: every release 0.20.0-0.24.1 wraps the EXL3 MoE layers in FusedMoEWithLoRA,
-    which needs a modular kernel Exl3MoEMethod lacks, and fails at start-up (H200, 0.21.0, run 11) unless
-    the overlay's P5 leaves them unwrapped."""
+    which needs a modular kernel Exl3MoEMethod lacks, and fails at start-up unless the overlay's P5 leaves them
+    unwrapped (docs/upstream/exl3-moe-lora-device.md)."""
     if not (enable_lora and is_exl3_moe(shape)):
         return
     if p5_status in ("APPLIED", "UPSTREAM_FIXED"):
@@ -75,8 +75,8 @@ MOE_STREAM_DOC = "docs/upstream/exl3-moe-shared-expert-stream.md"
 
 def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_status: str | None) -> None:
     """EXL3 MoE in CUDA graphs (the default compiled mode): every release 0.20.0-0.24.1 leaves out any expert
-    that gets more than 128 of a captured batch's tokens (run 13, H200, 0.21.0: 0.185 nats off HF with 16
-    requests at once); the overlay's P7 chunks the captured batch. OK in eager mode or where P7 runs."""
+    that gets more than 128 of a captured batch's tokens, so busy batches are answered wrongly; the overlay's P7
+    chunks the captured batch. OK in eager mode or where P7 runs (docs/upstream/exl3-moe-graph-expert-capacity.md)."""
     if not is_exl3_moe(shape):
         return
     if enforce_eager:
@@ -106,8 +106,8 @@ def check_moe_graphs(report: Report, shape: Shape, enforce_eager: bool, p7_statu
 
 def check_moe_stream(report: Report, shape: Shape, p6_status: str | None) -> None:
     """EXL3 MoE with a shared expert: since 0.21 aphrodite runs the shared expert on a second CUDA stream beside the
-    routed experts for batches of <= 256 tokens, both EXL3 kernels on one lock array; an eager server stopped
-    answering without P6 (run 14, H200, 0.21.0; run 12 the same; intermittent). 0.20.0 kept them on one stream."""
+    routed experts for batches of <= 256 tokens, both EXL3 kernels on one lock array, and a server can stop
+    answering; P6 keeps them on one stream, as 0.20.0 did (docs/upstream/exl3-moe-shared-expert-stream.md)."""
     if not (is_exl3_moe(shape) and (shape.moe or {}).get("shared_intermediate")):
         return
     if p6_status in ("APPLIED", "UPSTREAM_FIXED"):
@@ -136,8 +136,8 @@ MOE_PADDING_DOC = "docs/upstream/exl3-moe-padding-expert-ids.md"
 def check_moe_padding(report: Report, shape: Shape, p9_status: str | None) -> None:
     """EXL3 MoE on 0.23+: the routers give the rows a batch is padded with (CUDA-graph sizes, the profiling run)
     expert id -1 (``APHRODITE_MOE_SKIP_PADDING``, on by default since 0.23.0), which ``Exl3MoEMethod.apply`` cannot
-    count: the engine stops at start-up on a device-side assert (run 15, H200, 0.24.1, eager and compiled, with and
-    without LoRA). The overlay's P9 maps the id to one the kernel takes; ``APHRODITE_MOE_SKIP_PADDING=0`` avoids it."""
+    count: the engine stops at start-up on a device-side assert, in every mode. The overlay's P9 maps the id to one
+    the kernel takes; ``APHRODITE_MOE_SKIP_PADDING=0`` avoids it (docs/upstream/exl3-moe-padding-expert-ids.md)."""
     import importlib.util
     import os
 

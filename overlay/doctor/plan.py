@@ -122,8 +122,8 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         )
     elif not eng.eager and cap["blocks"] < eng.max_num_seqs:
         # config/compilation.py (0.20.0-0.24.1, from vLLM #34094): with FULL decode graphs every decode sequence needs
-        # one Mamba cache block, checked after the profiling run. Run 14 (H200, the 27B at full depth, pool pinned
-        # at 16 GiB): "max_num_seqs (1024) exceeds available Mamba cache blocks (655)", the plan's 655 exactly
+        # one Mamba cache block, checked after the profiling run ("max_num_seqs (N) exceeds available Mamba cache
+        # blocks (M)", M the plan's block count: docs/upstream/mamba-blocks-check-after-profiling.md)
         report.add(
             "BLOCK",
             "memory",

@@ -121,8 +121,7 @@ def write_full(out_dir: str | os.PathLike, spec: TinySpec, device: str = "cuda")
 def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     # routed experts are drawn on the CPU: ~3,000 small tensors a layer at the 35B-A3B shape, which
-    # would be as many GPU draws and copies back; 2 s a layer on an idle 2-core machine, while on the
-    # H200 machine busy with compiling servers it took about 20 s a layer either way (runs 11 and 12)
+    # would be as many GPU draws and copies back (docs/make-tiny.md: the timings)
     expert_gen = torch.Generator().manual_seed(spec.seed + 2)
     draw = Draw(gen, torch, device)
     cfg = hf_config(spec)

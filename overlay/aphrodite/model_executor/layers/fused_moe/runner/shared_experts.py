@@ -12,11 +12,9 @@ Why:     For a batch of at most ``APHRODITE_SHARED_EXPERTS_STREAM_TOKEN_THRESHOL
          ``_determine_shared_experts_order`` returned NO_OVERLAP for such a method (and while compiling
          or capturing). 0.21.0 (the upstream sync dphnAI/sonar@18f852d0b) dropped that check and the base
          property; ``Exl3MoEMethod`` still declares False, and nothing reads it (0.21.0 - 0.24.1).
-         Measured (H200, 0.21.0, `aphrodite run`, eager): without P6 a tiny EXL3 MoE server can stop
-         answering: run 14's first completion never answered in 528 s while five servers with P6 beside it
-         answered and matched HF + PEFT; run 12 (before P6 existed) the same; run 13's P6-off server answered
-         a 4-token completion at once. An intermittent stall, never seen with P6 (runs 13-14: every server);
-         docs/upstream/exl3-moe-shared-expert-stream.md.
+         Without P6 an EXL3 MoE server can stop answering, intermittently; with it the shared expert and
+         the routed experts never spin on those counters at once (measurements:
+         docs/upstream/exl3-moe-shared-expert-stream.md).
 How:     Wrap ``_determine_shared_experts_order``: when the shared expert module holds EXL3 layers
          (answer cached on the instance), return NO_OVERLAP; otherwise defer to the original. The
          shared expert then runs on the main stream, in order with the routed experts, as on 0.20.

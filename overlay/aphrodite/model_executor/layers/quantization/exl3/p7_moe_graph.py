@@ -12,10 +12,8 @@ Why:     ``Exl3MoEMethod.apply`` sends a batch of more than ``exl3_small_batch_t
          return``), so every replay of that graph leaves out the contribution of any expert that gets
          more than 128 of the batch's tokens, silently. The default compiled mode captures piecewise
          graphs for batches up to 512 tokens (prefill chunks included), so a prompt batch of 129-512
-         tokens with a popular expert is answered with wrong numbers. Measured (run 13, H200, 0.21.0,
-         ``aphrodite run`` compiled, tiny EXL3 MoE, 4 experts 2 active): one request alone matches HF at
-         0.0025 nats, 16 requests at once (prefill batches of about 200 tokens) 0.185; the eager twin
-         0.0031 (docs/upstream/exl3-moe-graph-expert-capacity.md). Present in 0.20.0 - 0.24.1.
+         tokens with a popular expert is answered with wrong numbers: one request alone is right, a busy
+         batch is not (measurements: docs/upstream/exl3-moe-graph-expert-capacity.md). Present in 0.20.0 - 0.24.1.
 How:     While a graph is being captured and the batch has more rows than can be safe (a token
          picks each expert at most once, so a chunk of at most ``capacity`` rows never overflows), run
          the original ``apply`` on consecutive chunks of the largest safe size and write their outputs

@@ -10,10 +10,9 @@ Why:     0.23.0 turned ``APHRODITE_MOE_SKIP_PADDING`` on by default (envs.py: ``
          sentinel, which not all MoE backends support yet"). ``Exl3MoEMethod.apply`` does not: its large-batch
          path counts tokens per expert with ``expert_count.scatter_add_(0, expert_sorted, ...)``, and its
          one-token and small-batch paths pass the ids to ``exl3_mgemm`` as indices into the experts' pointer
-         tables. Measured (run 15, H200, 0.24.1, eager, no LoRA, the overlay off): every EXL3 MoE hybrid
-         stops in the profiling run, ``ScatterGatherKernel.cu:203: Assertion `idx_dim >= 0 && idx_dim <
-         index_size``` then ``torch.AcceleratorError: CUDA error: device-side assert triggered`` at
-         ``expert_count.tolist()`` (docs/upstream/exl3-moe-padding-expert-ids.md). 0.23.0 - 0.24.1.
+         tables. So every EXL3 MoE hybrid stops in the profiling run, ``ScatterGatherKernel.cu:203: Assertion
+         `idx_dim >= 0 && idx_dim < index_size``` then ``torch.AcceleratorError: CUDA error: device-side assert
+         triggered`` at ``expert_count.tolist()`` (docs/upstream/exl3-moe-padding-expert-ids.md). 0.23.0 - 0.24.1.
 How:     before the original ``apply``, give padding rows an id its path takes: on the large-batch path
          ``local_num_experts``, the spare last slot of ``expert_count`` that the fused kernel and the fallback never
          read (exllamav3 1.6.5 exl3_moe.cu: "last item is ignored"; its block_sparse_mlp.py sends experts outside a
