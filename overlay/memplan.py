@@ -154,7 +154,8 @@ def capture_sizes(eng: Engine) -> tuple[list[int], list[int]]:
 def gdn_state_bytes(shape, dtype: str, tp: int = 1) -> tuple[int, int, int, int]:
     """One GDN layer's state per sequence and rank: (recurrent bytes, conv bytes, recurrent and conv bytes per
     value). aphrodite 0.21 keeps both in the activations' dtype unless the config's ``mamba_ssm_dtype`` names the
-    recurrent state's (models/config.py; the logged block sizes and page padding follow it: bench/results/memory_plan.md)."""
+    recurrent state's (models/config.py; the logged block sizes and page padding follow it:
+    bench/results/memory_plan.md)."""
     if not (shape.linear_layers and shape.gdn):
         return 0, 0, 0, 0
     g = shape.gdn
