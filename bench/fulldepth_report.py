@@ -1,5 +1,5 @@
 """Issue 18's table: Aphrodite (the server, with and without an adapter) against exllamav3's generator and
-the memory roofline, per preset and concurrency, from one run's results (ci/device-session-fulldepth.sh).
+the memory roofline, per preset and concurrency, from one run's results (ci/stages/fulldepth.sh).
 
     python3 bench/fulldepth_report.py RESULTS_DIR --out bench/results [--title "..."] [--fallback OTHER_RUN_DIR]
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for folder in (args.results, args.fallback):
         if folder is not None and not (folder / "bandwidth.json").exists():
-            p.error(f"{folder} holds no bandwidth.json (not a ci/device-session-fulldepth.sh result folder)")
+            p.error(f"{folder} holds no bandwidth.json (not a ci/stages/fulldepth.sh result folder)")
     named = {f.name for f in args.results.glob("*-aphrodite-*.json")} | {f.name for f in args.results.glob("inputs-*")}
     presets = sorted(
         {n[len("inputs-") : -len("-exl3.json")] for n in named if n.startswith("inputs-")}

@@ -7,12 +7,21 @@
 #   server:CELLS           tests/gpu/test_server.py, HXF_SERVER_CELLS=CELLS (comma list; the tiny dense model)
 #   moe:CELLS              tests/gpu/test_moe_server.py, the same for the MoE cells
 #   upstream               tests/upstream with the overlay
+#   fulldepth:PRESETS      ci/stages/fulldepth.sh, HXF_PRESETS=PRESETS (comma list, NAME or NAME:CODEBOOK) and its
+#                          HXF_FD_* settings (kinds, levels, parallel start): full-depth serving beside exllamav3
+#   cal:NAMES              make-tiny's calibration checkpoints, then bench/memory_calibration.py --only NAMES
+#                          (comma list; empty: all), the machine alone for the profiled rows
+#   serving                bench/run-serving.sh HXF_BENCH_SECONDS (default 900): the 27B-width serving benchmark
+#   exllamav3-build        exllamav3's extension from .cache/wheels/exllamav3-1.6.5-py3-none-any.whl (16 min of
+#                          CPU), gzipped to RESULTS/exllamav3_ext.so.gz, to be carried as .cache/exllamav3-ext/
 #   state-dtype:PRESET     make-tiny PRESET (a full-depth one) on the GPU, then bench/same_run.py: the config's
 #                          float32 GDN state against --mamba-ssm-cache-dtype bfloat16, both engines at once
 #                          (HXF_SD_KV_BYTES each, default 28 GiB; --max-num-seqs HXF_SD_SEQS, default 128),
 #                          levels HXF_SD_LEVELS (default 1,32,64,128), HXF_SD_REPEATS (default 3)
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done when it ends.
-# Each run's exact command lines are kept in its record under docs/gpu-runs/.
+# Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
+# per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
+# has them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REL=${1:?usage: ci/gpu-run.sh RELEASE STAGE[:ARG] ...}; shift
@@ -47,6 +56,36 @@ state_dtype() {  # PRESET
     --variant "float32-state=$common" --variant "bf16-state=$common --mamba-ssm-cache-dtype bfloat16"
 }
 
+fulldepth() {  # PRESETS
+  HXF_SITE="$SITE" HXF_PYTHONPATH="$PYPATH" HXF_FD_OUT="$ROOT/fulldepth" HXF_FD_NO_INSTALL=1 \
+    HXF_PRESETS="${1//,/ }" HXF_FD_SECONDS="${HXF_STAGE_SECONDS:-1500}" bash ci/stages/fulldepth.sh
+}
+
+cal() {  # NAMES (bench/memory_calibration.py's configuration names; empty: every one)
+  local models=/tmp/hxf-cal/models names=",$1,"
+  mk() { [ -e "$models/$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$models/$1" "${@:2}"; }
+  wants() { [ "$names" = ",," ] || case "$names" in *",$1"*) return 0 ;; *) return 1 ;; esac; }  # a name starting with $1
+  wants 9b- && mk 9b --preset qwen3.5-9b-full
+  wants 27b-4layer && mk 27b4 --preset qwen3.6-27b --codebook mcg --device cuda
+  wants 27b-24g && mk 27b --preset qwen3.6-27b-full
+  wants 35b4- && mk 35b4 --preset qwen3.6-35b-a3b --device cuda
+  wants 35b-a3b- && mk 35b --preset qwen3.6-35b-a3b-full --bits 2
+  python3 bench/memory_calibration.py "$models" --out "$ROOT/cal" --deadline "${HXF_STAGE_SECONDS:-1200}" ${1:+--only "$1"}
+}
+
+serving() {
+  OUT="$ROOT/serving" HXF_SITE="$TARGET" HXF_CODEBOOKS=mcg bash bench/run-serving.sh "${HXF_BENCH_SECONDS:-900}" \
+    --only concurrency,lora --engines exl3,exl3+lora --repeats 2
+}
+
+exllamav3_build() {
+  local wheel=.cache/wheels/exllamav3-1.6.5-py3-none-any.whl so
+  [ -e "$wheel" ] || { echo "gpu-run: exllamav3-build needs $wheel (carry it)"; return 2; }
+  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/exl3-ext nice -n 19 python3 ci/exllamav3-build.py "$wheel" || return 1
+  so=$(find /tmp/exl3-ext -name 'exllamav3_ext*.so' | head -1)
+  gzip -c "$so" > "$ROOT/exllamav3_ext.so.gz"
+}
+
 i=0
 for stage in "$@"; do
   name=${stage%%:*} arg=""; [ "$stage" = "$name" ] || arg=${stage#*:}
@@ -56,6 +95,10 @@ for stage in "$@"; do
     moe) suite moe tests/gpu/test_moe_server.py "$arg" 100 ;;
     upstream) suite upstream tests/upstream "" 200 ;;
     state-dtype) state_dtype "$arg" ;;
+    fulldepth) fulldepth "${arg:-qwen3.6-27b-full}" ;;
+    cal) cal "$arg" ;;
+    serving) serving ;;
+    exllamav3-build) exllamav3_build ;;
     *) echo "gpu-run: unknown stage $name" ;;
   esac > "$ROOT/$name.log" 2>&1 &
   i=$((i + 1))

@@ -43,11 +43,11 @@ needs_fixed = pytest.mark.skipif(
     else f"aphrodite {APHRODITE_VERSION} is not a release with the upstream fixes",
 )
 
-# Test files that read no aphrodite code (the checkpoint writer and its codec, the benchmarks' drivers and reports
-# against stand-in servers, the stub builder, the memory plan's formulas, the package build, the device-session
-# scripts): their outcome cannot depend on the release, so in a lane with aphrodite they are skipped and ci/test.sh
-# runs them once, in the lane without it. tests/unit/test_conftest_lanes.py checks that none of them imports
-# aphrodite or asks for a release. HXF_EVERY_LANE=1 runs them in every lane.
+# Test files that read no aphrodite code (the checkpoint writer and its codec, the benchmarks' drivers and
+# reports against stand-in servers, the stub builder, the memory plan's formulas, the package build, the GPU
+# driver's stage scripts): their outcome cannot depend on the release, so in a lane with aphrodite they are
+# skipped and ci/test.sh runs them once, in the lane without it. tests/unit/test_conftest_lanes.py checks that
+# none of them imports aphrodite or asks for a release. HXF_EVERY_LANE=1 runs them in every lane.
 VERSION_INDEPENDENT = (
     "test_bench_fulldepth.py",
     "test_bench_serving.py",

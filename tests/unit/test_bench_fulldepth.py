@@ -87,7 +87,7 @@ def test_serving_http_measures_every_level_through_the_server(streaming_aphrodit
 
 
 def test_two_engines_started_at_once_measure_one_after_the_other(streaming_aphrodite):
-    """The full-depth base and LoRA engines start together and take turns (ci/device-session-fulldepth.sh's
+    """The full-depth base and LoRA engines start together and take turns (ci/stages/fulldepth.sh's
     HXF_FD_PARALLEL): base measures once the LoRA engine is ready, LoRA once base is done."""
     import threading
 
@@ -188,7 +188,7 @@ def test_both_drivers_send_the_same_prompts():
 
 
 def test_fulldepth_report_ratios_and_goals(tmp_path):
-    """Synthetic results (fake inputs) in the layout ci/device-session-fulldepth.sh writes; the 9B's real
+    """Synthetic results (fake inputs) in the layout ci/stages/fulldepth.sh writes; the 9B's real
     header table from run 11 for the roofline."""
     import fulldepth_report
 
@@ -262,7 +262,7 @@ def test_fulldepth_report_refuses_a_folder_that_is_not_a_result(tmp_path, capsys
 
 
 def test_fulldepth_script_starts_both_engines_and_measures_only_after_its_gate(streaming_aphrodite, tmp_path):
-    """ci/device-session-fulldepth.sh with HXF_FD_PARALLEL=1 against the stand-in server (fake input): both
+    """ci/stages/fulldepth.sh with HXF_FD_PARALLEL=1 against the stand-in server (fake input): both
     engines start at once, neither measures before the gate file exists, base measures before LoRA, and
     without a GPU no empty bandwidth.json is left to be skipped on (run 14's script went on beside other work
     after its engines failed, and a failed measurement left a file behind)."""
@@ -300,7 +300,7 @@ def test_fulldepth_script_starts_both_engines_and_measures_only_after_its_gate(s
     opened.start()
     t0 = time.monotonic()
     done = subprocess.run(
-        ["bash", str(ROOT / "ci" / "device-session-fulldepth.sh")], env=env, capture_output=True, text=True, timeout=240
+        ["bash", str(ROOT / "ci" / "stages" / "fulldepth.sh")], env=env, capture_output=True, text=True, timeout=240
     )
     opened.cancel()
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# Issue 18 on one H200 (after ci/stage-0.21.sh and its install call, with exllamav3's wheel and
-# extension in .cache/ for ci/exllamav3-env.sh: carried, or built by ci/device-session-issues.sh), run detached by ci/device-bg.sh. Resumable: a
-# finished piece is skipped. Results under /tmp/hxf-out/fulldepth (bundle: fulldepth-results.tgz).
+# The fulldepth stage of ci/gpu-run.sh (which sets HXF_SITE, HXF_PYTHONPATH and HXF_FD_OUT): full-depth serving,
+# Aphrodite base and LoRA and exllamav3 (its wheel and extension in .cache/ for ci/exllamav3-env.sh: carried, or
+# built by the exllamav3-build stage). Resumable: a finished piece is skipped. Results under HXF_FD_OUT (default
+# /tmp/hxf-out/fulldepth; bundle: fulldepth-results.tgz beside it).
 #   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only); NAME:CODEBOOK
 #                                                    writes that preset in one codebook (make-tiny --codebook,
 #                                                    e.g. qwen3.6-27b-full:mixed: issue 18's P3 cost at full
 #                                                    depth against the preset's mcg), results as NAME-CODEBOOK-*
 #   HXF_FD_SECONDS                                   no new piece after this many seconds (default 1500)
-#   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order (run 13: "base lora exllamav3",
-#                                                    so that the LoRA cost is a ratio measured in one run first)
+#   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order ("base lora exllamav3" measures
+#                                                    the LoRA cost in one run first)
 #   HXF_FD_CONCURRENCY="1,2,...,256"                 the levels of every piece (bench/serving_http.py's default)
 #   HXF_FD_PARALLEL=1                                base and lora start at once (each start is ~6-8 min at full
-#                                                    depth: run 13), each pinning its KV pool (HXF_FD_KV_BYTES,
-#                                                    default 28 GiB, with --gpu-memory-utilization 0.3: run 14's 16 GiB held 655 Mamba
-#                                                    blocks, under the default --max-num-seqs 1024) so that
+#                                                    depth), each pinning its KV pool (HXF_FD_KV_BYTES,
+#                                                    default 28 GiB, with --gpu-memory-utilization 0.3: 16 GiB
+#                                                    holds 655 Mamba blocks, under the default --max-num-seqs 1024) so that
 #                                                    neither's profiling sees the other; base measures once both
 #                                                    are up and every file in HXF_FD_GATE exists (other work on
 #                                                    the machine, e.g. /tmp/hxf-out/moe.done), lora once base
 #                                                    is done; the idle one only holds its memory. Then exllamav3.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SITE="${HXF_SITE:-/tmp/devsite}" OUT="${HXF_FD_OUT:-/tmp/hxf-out/fulldepth}" MODELS="${HXF_FD_MODELS:-/tmp/hxf-fd/models}"
 BUDGET="${HXF_FD_SECONDS:-1500}"
 mkdir -p "$OUT" "$MODELS"
-export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE"
-# HXF_FD_NO_INSTALL=1: the caller has installed this project (ci/device-session-issues.sh: reinstalling it while
-# another stage imports it would race)
+export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="${HXF_PYTHONPATH:-$SITE}"
+# HXF_FD_NO_INSTALL=1: the caller has installed this project (ci/gpu-run.sh: reinstalling it while another stage
+# imports it would race)
 [ -n "${HXF_FD_NO_INSTALL:-}" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
 left() { echo $((BUDGET - SECONDS)); }
 KINDS="${HXF_FD_KINDS:-base exllamav3 lora}"
@@ -60,8 +61,8 @@ for spec in ${HXF_PRESETS:-qwen3.6-27b-full}; do
       pids+=($!)
     done
     wait "${pids[@]}" 2>/dev/null
-    # whatever happened above, nothing below (bandwidth, exllamav3, an engine started alone) runs before the gate:
-    # run 14's parallel engines failed at start-up, and the script went on beside the MoE suite
+    # whatever happened above, nothing below (bandwidth, exllamav3, an engine started alone) runs before the gate,
+    # so that a failed engine start never lets the measurements run beside other work
     for g in ${HXF_FD_GATE:-}; do
       for _ in $(seq 600); do [ -e "$g" ] && break; sleep 2; done
     done
