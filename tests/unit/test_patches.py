@@ -45,7 +45,7 @@ def gdn_in_proj_qkv(exl3, method):
 
 def exl3_base_layer():
     """A loaded EXL3 linear as the LoRA wrapper sees it (fake input: placeholders + one shard)."""
-    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import fake_exl3_layer
+    from hybrid_exl3_fixes.standins import fake_exl3_layer
 
     layer = fake_exl3_layer()
     layer.input_size, layer.tp_size, layer.tp_rank = 256, 1, 0
@@ -277,7 +277,7 @@ def test_fixed_release_is_left_alone(overlay):
     # layer still gets upstream's own answer
     assert results["P2"].status.value == "APPLIED", results["P2"].reason
     assert utils._get_lora_device is base_linear._get_lora_device is fused_moe._get_lora_device is not before[1]
-    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import fake_exl3_layer
+    from hybrid_exl3_fixes.standins import fake_exl3_layer
 
     def outcome(fn, layer):
         try:
@@ -321,7 +321,8 @@ def test_p2_gives_exl3_moe_layers_their_device_on_every_release(overlay, routed_
     its expert tensors live on, at every site that bound the function, on every release."""
     from aphrodite.lora.layers import base_linear, fused_moe, utils
 
-    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import PATCH, fake_exl3_moe_layer
+    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import PATCH
+    from hybrid_exl3_fixes.standins import fake_exl3_moe_layer
 
     layer = fake_exl3_moe_layer("meta", routed_experts=routed_experts)
     with pytest.raises(ValueError, match="^Unsupported base layer"):  # unpatched: every release rejects it

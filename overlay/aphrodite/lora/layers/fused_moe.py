@@ -39,8 +39,7 @@ import re
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Live, NotApplicable, Patch, Target, tag
-
-from .utils import exl3_placeholder, fake_exl3_moe_layer
+from hybrid_exl3_fixes.standins import exl3_placeholder, fake_exl3_moe_layer
 
 MODULE = "aphrodite.lora.layers.fused_moe"
 CAN_REPLACE = ("cls", "source_layer", "lora_config", "packed_modules_list", "model_config")
