@@ -127,6 +127,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         for row in rows:
             print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
         print(overlay.summary(results))
+        if any(r.patch.upstream.startswith(("docs/", "not reported yet (patches/")) for r in results):
+            print(
+                "(docs/upstream/... and patches/... are files of the hybrid-exl3-fixes source repository, "
+                "not of the installed package)"
+            )
         if not_loaded:
             print(f"WARNING: aphrodite will not load the overlay: {gate}. The table shows what it would do.")
         if broken:
