@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -262,25 +263,15 @@ def cmd_stubs(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.doctor import Options, as_json, diagnose, render
 
-    options = Options(
-        gpu_mem=args.gpu_mem,
-        gpus=args.gpus,
-        tp=args.tp,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        kv_dtype=args.kv_dtype,
-        utilization=args.gpu_memory_utilization,
-        language_model_only=args.language_model_only
-        or (args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())),
-        enable_lora=args.enable_lora,
-        dtype=args.dtype,
-        prefix_caching=args.enable_prefix_caching,
-        release=args.release,
-    )
+    # every Options field from the flag of its name (two flags are spelled as the engine spells them)
+    spelled = {"utilization": "gpu_memory_utilization", "prefix_caching": "enable_prefix_caching"}
+    values = {
+        f.name: getattr(args, spelled.get(f.name, f.name))
+        for f in dataclasses.fields(Options)
+        if hasattr(args, spelled.get(f.name, f.name))
+    }
+    text_only = args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())
+    options = Options(**{**values, "language_model_only": args.language_model_only or text_only})
     report = diagnose(args.model_dir, options)
     if args.json:
         print(as_json(report), file=args.json_out)

@@ -182,3 +182,29 @@ def fake_exl3_moe_layer(threshold=2, experts=4, top_k=2, hidden=16):
         exl3_moe_short_token_threshold=0,
         exl3_moe_short_max_tokens_per_expert=128,
     )
+
+
+def stand_in_patch(namespace: dict, name: str, **fields):
+    """A Patch over ``namespace[name].f`` of a fresh class whose ``f`` returns "bug" (the probe's bug), replaced
+    by one returning "fixed"; ``namespace`` is the calling test module's ``globals()``. Returns (patch, class)."""
+    from hybrid_exl3_fixes.registry import Patch, Target
+
+    class Owner:
+        def f(self):
+            return "bug"
+
+    namespace[name] = Owner
+    key = f"{namespace['__name__']}.{name}.f"
+    patch = Patch(
+        id=fields.pop("id", "PX"),
+        slug="stand-in",
+        title="stand-in",
+        upstream="-",
+        fixed_in=None,
+        retire_when="-",
+        targets=(Target(namespace["__name__"], f"{name}.f", params=("self",)),),
+        probe=lambda live: live[key].function(None) == "bug",
+        build=lambda live: {key: lambda self: "fixed"},
+        **fields,
+    )
+    return patch, Owner

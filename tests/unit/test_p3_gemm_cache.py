@@ -324,26 +324,11 @@ def test_undo_resets_what_p3_changed_at_load(plan):
 
 @needs_aphrodite  # the registry answers NOT_APPLICABLE for every patch where aphrodite is not installed
 def test_registry_undo_runs_the_patch_reset():
-    from hybrid_exl3_fixes.registry import Patch, Registry, Target
-
-    class Owner:
-        def f(self):
-            return "bug"
+    from helpers import stand_in_patch
+    from hybrid_exl3_fixes.registry import Registry
 
     calls = []
-    patch = Patch(
-        id="PX",
-        slug="x",
-        title="x",
-        upstream="-",
-        fixed_in=None,
-        retire_when="-",
-        targets=(Target(__name__, "Owner.f", params=("self",)),),
-        probe=lambda live: live[f"{__name__}.Owner.f"].function(None) == "bug",
-        build=lambda live: {f"{__name__}.Owner.f": lambda self: "fixed"},
-        on_undo=lambda: calls.append("reset"),
-    )
-    globals()["Owner"] = Owner
+    patch, Owner = stand_in_patch(globals(), "Owner", on_undo=lambda: calls.append("reset"))
     registry = Registry([patch])
     result = registry.apply(patch)
     assert result.status.value == "APPLIED" and Owner().f() == "fixed", result.reason

@@ -353,27 +353,10 @@ def test_the_patches_that_check_a_tag_after_apply_say_so():
     """P3, P9 and P10 recognise themselves after apply by the tag on the replaced function (their bug is in a
     GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
-    from hybrid_exl3_fixes.registry import Patch, Registry, Target
+    from helpers import stand_in_patch
+    from hybrid_exl3_fixes.registry import Registry
 
     assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P9", "P10"}
-
-    class Owner:
-        def f(self):
-            return "bug"
-
-    globals()["TagOwner"] = Owner
-    key = f"{__name__}.TagOwner.f"
-    patch = Patch(
-        id="PT",
-        slug="t",
-        title="t",
-        upstream="-",
-        fixed_in=None,
-        retire_when="-",
-        targets=(Target(__name__, "TagOwner.f", params=("self",)),),
-        probe=lambda live: live[key].function(None) == "bug",
-        build=lambda live: {key: lambda self: "fixed"},
-        checks_tag_after_apply=True,
-    )
+    patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason
