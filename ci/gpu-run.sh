@@ -45,9 +45,13 @@ suite() {  # NAME TEST [CELLS]
     HXF_PORT_OFFSET=$((PORTS + ${4:-0})) HXF_PYTEST_TIMEOUT="${HXF_STAGE_SECONDS:-1500}" bash ci/gpu.sh "$2"
 }
 
+mk() {  # DIR MAKE-TINY-ARGS...: write the checkpoint unless a finished one is there (make-tiny writes atomically)
+  [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"
+}
+
 state_dtype() {  # PRESET
   local m="/tmp/hxf-models/$1" kv="${HXF_SD_KV_BYTES:-$((28 << 30))}" seqs="${HXF_SD_SEQS:-128}"
-  [ -e "$m/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$m" --preset "$1"
+  mk "$m" --preset "$1"
   mkdir -p "$ROOT/state-dtype"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/state-dtype'), '$1/exl3')"
   local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
@@ -63,13 +67,12 @@ fulldepth() {  # PRESETS
 
 cal() {  # NAMES (bench/memory_calibration.py's configuration names; empty: every one)
   local models=/tmp/hxf-cal/models names=",$1,"
-  mk() { [ -e "$models/$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$models/$1" "${@:2}"; }
   wants() { [ "$names" = ",," ] || case "$names" in *",$1"*) return 0 ;; *) return 1 ;; esac; }  # a name starting with $1
-  wants 9b- && mk 9b --preset qwen3.5-9b-full
-  wants 27b-4layer && mk 27b4 --preset qwen3.6-27b --codebook mcg --device cuda
-  wants 27b-24g && mk 27b --preset qwen3.6-27b-full
-  wants 35b4- && mk 35b4 --preset qwen3.6-35b-a3b --device cuda
-  wants 35b-a3b- && mk 35b --preset qwen3.6-35b-a3b-full --bits 2
+  wants 9b- && mk "$models/9b" --preset qwen3.5-9b-full
+  wants 27b-4layer && mk "$models/27b4" --preset qwen3.6-27b --codebook mcg --device cuda
+  wants 27b-24g && mk "$models/27b" --preset qwen3.6-27b-full
+  wants 35b4- && mk "$models/35b4" --preset qwen3.6-35b-a3b --device cuda
+  wants 35b-a3b- && mk "$models/35b" --preset qwen3.6-35b-a3b-full --bits 2
   python3 bench/memory_calibration.py "$models" --out "$ROOT/cal" --deadline "${HXF_STAGE_SECONDS:-1200}" ${1:+--only "$1"}
 }
 

@@ -208,7 +208,7 @@ def kv_layout(shape, eng: Engine) -> dict:
 def kv_capacity(layout: dict, pool: int, max_model_len: int) -> dict:
     """Blocks, concurrency and token capacity the engine reports for a KV pool of ``pool`` bytes."""
     blocks = max(0, int(pool // layout["page_bytes"] // layout["group_size"])) if layout["page_bytes"] else 0
-    state_blocks = layout["state_groups"] * layout.get("state_blocks_per_request", 1)
+    state_blocks = layout["state_groups"] * layout["state_blocks_per_request"]
     per_request = layout["attention_groups"] * math.ceil(max_model_len / layout["block_size"]) + state_blocks
     concurrency = blocks / per_request if per_request else 0.0
     return {
@@ -219,7 +219,7 @@ def kv_capacity(layout: dict, pool: int, max_model_len: int) -> dict:
         "formula": (
             f"blocks = pool // {layout['page_bytes']:,} B // {layout['group_size']} = {blocks:,}; per request "
             f"{layout['attention_groups']} x ceil({max_model_len:,} / {layout['block_size']}) + "
-            f"{layout['state_groups']} x {layout.get('state_blocks_per_request', 1)} = {per_request}; "
+            f"{layout['state_groups']} x {layout['state_blocks_per_request']} = {per_request}; "
             f"concurrency {concurrency:.2f}"
         ),
     }

@@ -154,6 +154,10 @@ class Patch:
     checks_tag_after_apply: bool = False
 
 
+# the statuses under which the engine runs without a fix and the user should hear of it
+PROBLEM_STATUSES = (Status.DRIFTED, Status.FAILED, Status.BROKEN_INSTALL)
+
+
 @dataclass
 class Result:
     patch: Patch
@@ -164,7 +168,7 @@ class Result:
     @property
     def is_problem(self) -> bool:
         """DRIFTED, FAILED or BROKEN_INSTALL: the engine runs without this fix and the user should hear of it."""
-        return self.status in (Status.DRIFTED, Status.FAILED, Status.BROKEN_INSTALL)
+        return self.status in PROBLEM_STATUSES
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -120,7 +120,9 @@ def overlay_status(report: Report) -> dict[str, str]:
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         report.add("WARN", "overlay", f"could not evaluate the patches: {exc}")
         return {}
-    problems = {"DRIFTED", "FAILED", "BROKEN_INSTALL"}
+    from hybrid_exl3_fixes.registry import PROBLEM_STATUSES
+
+    problems = {s.value for s in PROBLEM_STATUSES}
     gate = data.get("plugin_gate")
     if gate:  # the table is what it would do; the engine will run without it
         report.add("WARN", "overlay", f"aphrodite will not load the overlay: {gate}")

@@ -40,6 +40,7 @@ from .tinystate import (
     _layer_state,
     _write_adapter,
     add_leaf_entries,
+    exl3_module_lists,
     exl3_storage_entry,
     mtp_state,
 )
@@ -178,12 +179,7 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
     keys = _write_adapter(tmp / "lora-a", adapter, torch, save_file, torch.Generator().manual_seed(spec.seed + 1))
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
-        "exl3_modules": sorted(
-            k for k, v in storage.items() if v.get("quant_format") == "exl3" and not k.startswith("mtp.")
-        ),
-        "mtp_modules": sorted(
-            k for k, v in storage.items() if v.get("quant_format") == "exl3" and k.startswith("mtp.")
-        ),
+        **exl3_module_lists(storage),
         "weight_bytes": total,
         "adapters": {"lora-a": keys},
     }

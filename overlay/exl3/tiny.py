@@ -61,7 +61,16 @@ from .tinyspec import (
     layer_projections,
     mtp_projections,
 )
-from .tinystate import Draw, _base_state, _write_adapter, add_leaf_entries, exl3_storage_entry, fuse_experts, mtp_state
+from .tinystate import (
+    Draw,
+    _base_state,
+    _write_adapter,
+    add_leaf_entries,
+    exl3_module_lists,
+    exl3_storage_entry,
+    fuse_experts,
+    mtp_state,
+)
 
 # the public names of the writer and its spec, where callers have always imported them
 __all__ = [
@@ -171,12 +180,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
         "codebooks": codebooks,
-        "exl3_modules": sorted(
-            k for k, v in storage.items() if v.get("quant_format") == "exl3" and not k.startswith("mtp.")
-        ),
-        "mtp_modules": sorted(
-            k for k, v in storage.items() if v.get("quant_format") == "exl3" and k.startswith("mtp.")
-        ),
+        **exl3_module_lists(storage),
         "adapters": adapters,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))

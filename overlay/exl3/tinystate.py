@@ -159,6 +159,16 @@ def add_leaf_entries(storage: dict, state: dict) -> None:
         storage[leaf] = {"stored_tensors": stored_tensor_info(state, leaf)}
 
 
+def exl3_module_lists(storage: dict) -> dict[str, list[str]]:
+    """The manifest's lists of EXL3 modules: the trunk's (``exl3_modules``, which the adapters cover) and the MTP
+    head's (``mtp_modules``, which aphrodite does not load), each sorted."""
+    exl3 = sorted(k for k, v in storage.items() if v.get("quant_format") == "exl3")
+    return {
+        "exl3_modules": [k for k in exl3 if not k.startswith("mtp.")],
+        "mtp_modules": [k for k in exl3 if k.startswith("mtp.")],
+    }
+
+
 def stored_tensor_info(state: dict, prefix: str) -> dict:
     """tensor_storage's ``stored_tensors`` for one module, in exllamav3's form (dtype as ``str(torch dtype)``)."""
     return {

@@ -24,28 +24,21 @@ Retire when: an aphrodite release recognises EXL3 MoE layers too (the probe then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag
-
-if TYPE_CHECKING:  # torch is imported lazily: the overlay must import where torch is absent
-    pass
+from hybrid_exl3_fixes.standins import (
+    exl3_device,
+    exl3_fallback,
+    fake_exl3_layer,
+    fake_exl3_moe_layer,
+    is_unsupported_layer_error,
+)
 
 UTILS = Target("aphrodite.lora.layers.utils", "_get_lora_device", params=("base_layer",))
 BINDING_SITES = (
     Target("aphrodite.lora.layers.base_linear", "_get_lora_device", binds=UTILS.key),
     Target("aphrodite.lora.layers.fused_moe", "_get_lora_device", binds=UTILS.key),
-)
-
-# the probes and stand-ins P2, P2b, P5 and P6 share (re-exported here, where they lived first)
-from hybrid_exl3_fixes.standins import (  # noqa: E402, F401
-    EXL3_PLACEHOLDERS,
-    exl3_device,
-    exl3_fallback,
-    exl3_placeholder,
-    fake_exl3_layer,
-    fake_exl3_moe_layer,
-    is_unsupported_layer_error,
 )
 
 
