@@ -6,7 +6,8 @@
 Every variant is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
 its own arguments; all start at once, so each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a
 small ``--gpu-memory-utilization``. Once all have answered one warm-up request (and one warm-up level at the
-largest concurrency, so that no variant meets a first-use cost inside a measured level), every level is run
+largest concurrency, so that no variant meets a first-use cost inside a measured level) and every
+``--hold-until`` file exists (other work sharing the GPU has ended: the wait is kept as ``held_s``), every level is run
 ``--repeats`` times, the variants alternated (repeat 0: A, B; repeat 1: B, A; ...), with nothing else sent to
 the GPU meanwhile. One formula for every variant (serving_http.level): decode tok/s = completed requests x
 (output - 1) / (last token of any request - first token of any request); per-request tok/s = mean over
@@ -53,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--deadline", type=float, default=1e9, help="start no measured level after this many seconds")
+    p.add_argument("--hold-until", type=Path, action="append", default=[], metavar="FILE",
+                   help="after the warm-up, measure nothing until FILE exists (or the deadline passes)")
     return p
 
 
@@ -110,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             url = servers[name].url
             out["variants"][name]["warmup"] = asyncio.run(level(url, name, prompts(1, args.prompt, vocab, seed=99), 16))
             asyncio.run(level(url, name, prompts(max(levels), args.prompt, vocab, seed=98), 16))
+        held = time.monotonic()
+        while any(not f.exists() for f in args.hold_until) and time.monotonic() - t0 < args.deadline:
+            time.sleep(2)
+        out["held_s"] = round(time.monotonic() - held, 1)
         for rep in range(args.repeats):
             order = live if rep % 2 == 0 else live[::-1]
             for n in levels:

@@ -17,8 +17,10 @@
 #   state-dtype:PRESET     make-tiny PRESET (a full-depth one) on the GPU, then bench/same_run.py: the config's
 #                          float32 GDN state against --mamba-ssm-cache-dtype bfloat16, both engines at once
 #                          (HXF_SD_KV_BYTES each, default 28 GiB; --max-num-seqs HXF_SD_SEQS, default 128),
-#                          levels HXF_SD_LEVELS (default 1,32,64,128), HXF_SD_REPEATS (default 3)
-# Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done when it ends.
+#                          levels HXF_SD_LEVELS (default 1,32,64,128), HXF_SD_REPEATS (default 3); measured only
+#                          once the stages named in HXF_SD_AFTER (comma list) have ended, so that their servers
+#                          do not share the GPU with the measured levels (the engines start and warm meanwhile)
+# Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
 # Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
 # per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
 # has them).
@@ -54,9 +56,11 @@ state_dtype() {  # PRESET
   mk "$m" --preset "$1"
   mkdir -p "$ROOT/state-dtype"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/state-dtype'), '$1/exl3')"
+  local after=() s
+  for s in ${HXF_SD_AFTER//,/ }; do after+=(--hold-until "$ROOT/$s.done"); done
   local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/state-dtype/$1.json" --port $((8400 + PORTS)) \
-    --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_STAGE_SECONDS:-1500}" \
+    --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_STAGE_SECONDS:-1500}" "${after[@]}" \
     --variant "float32-state=$common" --variant "bf16-state=$common --mamba-ssm-cache-dtype bfloat16"
 }
 
@@ -92,8 +96,8 @@ exllamav3_build() {
 i=0
 for stage in "$@"; do
   name=${stage%%:*} arg=""; [ "$stage" = "$name" ] || arg=${stage#*:}
-  mkdir -p "$ROOT/$name"
-  case "$name" in
+  mkdir -p "$ROOT/$name"; rm -f "$ROOT/$name.done"
+  { case "$name" in
     server) suite server tests/gpu/test_server.py "$arg" 0 ;;
     moe) suite moe tests/gpu/test_moe_server.py "$arg" 100 ;;
     upstream) suite upstream tests/upstream "" 200 ;;
@@ -103,8 +107,8 @@ for stage in "$@"; do
     serving) serving ;;
     exllamav3-build) exllamav3_build ;;
     *) echo "gpu-run: unknown stage $name" ;;
-  esac > "$ROOT/$name.log" 2>&1 &
+  esac; touch "$ROOT/$name.done"; } > "$ROOT/$name.log" 2>&1 &
   i=$((i + 1))
 done
 wait
-for stage in "$@"; do touch "$ROOT/${stage%%:*}.done"; echo "== $(date -u +%FT%TZ) ${stage%%:*}: $(tail -1 "$ROOT/${stage%%:*}.log")"; done
+for stage in "$@"; do echo "== $(date -u +%FT%TZ) ${stage%%:*}: $(tail -1 "$ROOT/${stage%%:*}.log")"; done
