@@ -57,7 +57,7 @@ state_dtype() {  # PRESET
   mkdir -p "$ROOT/state-dtype"
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/state-dtype'), '$1/exl3')"
   local after=() s
-  for s in ${HXF_SD_AFTER//,/ }; do after+=(--hold-until "$ROOT/$s.done"); done
+  for s in ${HXF_SD_AFTER:+${HXF_SD_AFTER//,/ }}; do after+=(--hold-until "$ROOT/$s.done"); done
   local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/state-dtype/$1.json" --port $((8400 + PORTS)) \
     --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_STAGE_SECONDS:-1500}" "${after[@]}" \

@@ -435,6 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
         "two GDN state blocks per state group instead of one",
     )
     doctor.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the engine's flag (default auto: the config's mamba_ssm_dtype, float32 in the published Qwen3.5/3.6 "
+        "configs); bfloat16 halves the GDN state: more requests in the pool",
+    )
+    doctor.add_argument(
         "--release",
         type=release_name,
         help="plan for this aphrodite-engine release, e.g. 0.21.0 (default: the installed one, else 0.24.1)",

@@ -155,6 +155,8 @@ def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> 
         return report
     config, shape = read_config(report, folder)
     shape = shape or Shape()
+    if o.mamba_ssm_cache_dtype != "auto":  # the flag wins over the config (aphrodite models/config.py, Qwen3.5)
+        shape.ssm_dtype, shape.ssm_source = o.mamba_ssm_cache_dtype, "--mamba-ssm-cache-dtype"
     check_files(report, folder, shape, o.language_model_only)
     tensors = read_weights(report, folder)
     if not tensors and not any(f.check == "weights" for f in report.findings):

@@ -45,6 +45,8 @@ class Options:
     dtype: str = "auto"
     enforce_eager: bool = False
     prefix_caching: bool | None = None  # None: the release's default
+    # --mamba-ssm-cache-dtype: auto keeps the config's mamba_ssm_dtype; any other value replaces it
+    mamba_ssm_cache_dtype: str = "auto"
     release: str | None = None  # None: the installed release, else memplan.NEWEST_RELEASE
     check_overlay: bool = True
 

@@ -26,7 +26,7 @@ def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int
         return 0, 0, "no linear-attention layers"
     g = shape.gdn
     recurrent, conv, ssm, width = memplan.gdn_state_bytes(shape, dtype)
-    source = "mamba_ssm_dtype" if shape.ssm_dtype else dtype
+    source = shape.ssm_source if shape.ssm_dtype else dtype
     return (
         linear * recurrent,
         linear * conv,

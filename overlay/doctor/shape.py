@@ -41,6 +41,7 @@ class Shape:
     vocab: int | None = None  # these three size the memory plan's activation and LoRA terms only:
     intermediate: int | None = None  # read without complaint (a missing one leaves its term smaller)
     ssm_dtype: str | None = None  # text_config.mamba_ssm_dtype: the GDN state's dtype when given
+    ssm_source: str = "mamba_ssm_dtype"  # or the engine flag that replaced it
 
     @property
     def full_layers(self) -> int:

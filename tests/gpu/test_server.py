@@ -317,11 +317,10 @@ def alone_and_mixed(server: Server, reference, adapters: list, served: str, info
     with the worst |delta| per step, the overall max, and how far the first adapter is from the base
     model's reference. Returns the requests that failed."""
     name = {None: served}
-    rows = {}
+    rows, answers = {}, {}
     for adapter in adapters:
-        rows[adapter] = [
-            check(reference, adapter, complete(server, name.get(adapter, adapter), ids)) for ids in prompts(3, 1)
-        ]
+        answers[adapter] = [complete(server, name.get(adapter, adapter), ids) for ids in prompts(3, 1)]
+        rows[adapter] = [check(reference, adapter, served) for served in answers[adapter]]
         info[f"alone {adapter or 'base'}"] = worst(rows[adapter])
         save()
     mix = [adapters[i % len(adapters)] for i in range(16)]
@@ -338,10 +337,11 @@ def alone_and_mixed(server: Server, reference, adapters: list, served: str, info
     if first:  # each adapter must differ from the base model by much more than the tolerance
         base = check(reference, None, complete(server, first, prompts(1, 1)[0]))
         info[f"{first} vs base reference"] = round(base["max_abs_dlogprob"], 4)
-    if "lora-ab" in adapters:  # and its in_proj_a / in_proj_b deltas must be applied, not dropped
+    if "lora-ab" in adapters:  # and its in_proj_a / in_proj_b deltas must be applied, not dropped:
+        # the same three served answers, against a reference without those deltas
         with reference.dropping(GDN_GATE_TARGETS):
-            off = check(reference, "lora-ab", complete(server, "lora-ab", prompts(1, 1)[0]))
-        info[GATES_OFF] = round(off["max_abs_dlogprob"], 4)
+            off = [check(reference, "lora-ab", served) for served in answers["lora-ab"]]
+        info[GATES_OFF] = worst(off)["max_abs_dlogprob"]
     save()
     return failed
 
@@ -399,7 +399,11 @@ def test_cell(cell, fleet, references, record):
     if lora:
         assert info["lora-a vs base reference"] > 3 * TOLERANCE, "the adapter made no difference"
     if "lora-ab" in adapters_of(cell):
-        assert info[GATES_OFF] > 3 * TOLERANCE, "served lora-ab as if it had no in_proj_a/in_proj_b deltas"
+        # An engine that dropped the deltas would match the reference without them within TOLERANCE, as every
+        # cell matches what it computes; HF + PEFT's own two references are more than 2 x TOLERANCE apart by
+        # this measure on these prompts (tests/unit/test_tiny.py), so a served lora-ab within TOLERANCE of the
+        # full reference lands above TOLERANCE from the other.
+        assert info[GATES_OFF] > TOLERANCE, "served lora-ab as if it had no in_proj_a/in_proj_b deltas"
     if cell not in (MAIN, "compiled-bf16-lora-prefix", "compiled-bf16-lora-chunk512", "tp2-compiled-bf16-lora"):
         server.stop()  # free the GPU and CPUs for the cells still starting; MAIN and two others serve on
 

@@ -161,6 +161,31 @@ def test_prefix_caching_holds_two_state_blocks_per_request_from_0_23(tmp_path):
     assert "prefix caching on: 2 state block(s)" in newest["layout"]["formula"]
 
 
+def test_mamba_ssm_cache_dtype_replaces_the_configs_state_dtype(tmp_path, capsys):
+    """--mamba-ssm-cache-dtype other than auto wins over the config's mamba_ssm_dtype (aphrodite models/config.py,
+    Qwen3_5ForConditionalGenerationConfig); run 18's 27B pair (rows above) is the engine's own arithmetic.
+    doctor plans the override as a checkpoint whose config says bfloat16."""
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "f32", TinySpec(), dense=False)
+    write_tiny(tmp_path / "bf16", TinySpec(ssm_dtype="bfloat16"), dense=False)
+
+    def plan(folder, *extra):
+        main(["doctor", str(tmp_path / folder / "exl3"), "--json", "--language-model-only", "--gpu-mem", "24", *extra])
+        return json.loads(capsys.readouterr().out)["plan"]
+
+    f32, bf16 = plan("f32"), plan("bf16")
+    flagged = plan("f32", "--mamba-ssm-cache-dtype", "bfloat16")
+    assert f32["max_concurrency"] < bf16["max_concurrency"] == flagged["max_concurrency"]
+    assert flagged["layout"]["block_size"] == bf16["layout"]["block_size"] < f32["layout"]["block_size"]
+    assert plan("bf16", "--mamba-ssm-cache-dtype", "float32")["max_concurrency"] == f32["max_concurrency"]
+    assert plan("f32", "--mamba-ssm-cache-dtype", "auto")["max_concurrency"] == f32["max_concurrency"]
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", str(tmp_path / "f32" / "exl3"), "--mamba-ssm-cache-dtype", "fp8"])
+    assert exc.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad", ["latest", "0.24", "0.24.1.2", "a.b.c", ""])
 def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
     from hybrid_exl3_fixes.cli import main

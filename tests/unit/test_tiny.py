@@ -362,9 +362,12 @@ def test_lora_ab_loads_in_peft_on_the_dense_twin(tiny):
 
 
 def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
-    """The server cell that serves lora-ab fails a server which drops its in_proj_a / in_proj_b deltas only if
-    those deltas alone move the reference by more than three tolerances (tests/gpu/test_server.py GATES_OFF);
-    measured here with HF + PEFT on the server suite's checkpoint and prompts (prompts(3, 1))."""
+    """The server cell that serves lora-ab tells an engine that drops its in_proj_a / in_proj_b deltas from one
+    that applies them (tests/gpu/test_server.py: GATES_OFF > TOLERANCE) only if HF + PEFT's references with and
+    without those deltas are more than two tolerances apart by the cell's own measure: max |d logprob| over the
+    top-5 entries of every prompt and generated position (harness.compare_served), on the cell's three prompts
+    (prompts(3, 1)) with their 8 greedy tokens, on the server suite's checkpoint. The full-vocabulary distance
+    overstates it (0.66 against 0.38 here): the server reports the top 5 only."""
     peft = pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
     import random
 
@@ -374,15 +377,24 @@ def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
     base = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "t" / "dense"), dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, str(tmp_path / "t" / "lora-ab")).eval()
     gates = [m for n, m in model.named_modules() if n.endswith(("in_proj_a", "in_proj_b")) and hasattr(m, "scaling")]
-    rng = random.Random(1)
+    assert gates
+    rng = random.Random(1)  # tests/gpu/test_server.py prompts(3, 1)
     prompts = [[rng.randrange(0, 500) for _ in range(rng.randrange(12, 48))] for _ in range(3)]
 
-    def logprobs():
+    def logprobs(ids):
         with torch.no_grad():
-            return [model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1) for ids in prompts]
+            return model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
 
-    on = logprobs()
+    answers = []
+    for ids in prompts:  # the prompt and its 8 greedy tokens, as the cell asks (complete(): max_tokens 8)
+        ids = list(ids)
+        for _ in range(8):
+            ids.append(int(logprobs(ids)[-1].argmax()))
+        answers.append(ids[:-1])
+    on = [logprobs(ids) for ids in answers]
     for m in gates:
         m.scaling = {k: 0.0 for k in m.scaling}
-    off = logprobs()
-    assert max((a - b).abs().max().item() for a, b in zip(on, off)) > 3 * 0.15
+    off = [logprobs(ids) for ids in answers]
+    top5 = [a.topk(5, -1).indices for a in on]
+    distance = max(float((a.gather(1, t) - b.gather(1, t)).abs().max()) for a, b, t in zip(on, off, top5))
+    assert distance > 2 * 0.15, distance
