@@ -54,8 +54,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--deadline", type=float, default=1e9, help="start no measured level after this many seconds")
-    p.add_argument("--hold-until", type=Path, action="append", default=[], metavar="FILE",
-                   help="after the warm-up, measure nothing until FILE exists (or the deadline passes)")
+    p.add_argument(
+        "--hold-until",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="after the warm-up, measure nothing until FILE exists (or the deadline passes)",
+    )
     return p
 
 

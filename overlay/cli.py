@@ -291,6 +291,7 @@ def release_name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (every subcommand and flag), parsed by ``main``."""
     from hybrid_exl3_fixes.doctor import DTYPE_CHOICES  # torch-free, light
+    from hybrid_exl3_fixes.doctor.shape import SSM_DTYPES
 
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -434,13 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's flag (default: the release's: on for hybrid models from 0.23.0); on, each request holds "
         "two GDN state blocks per state group instead of one",
     )
-    doctor.add_argument(
-        "--mamba-ssm-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the engine's flag (default auto: the config's mamba_ssm_dtype, float32 in the published Qwen3.5/3.6 "
-        "configs); bfloat16 halves the GDN state: more requests in the pool",
-    )
+    ssm_help = "the engine's flag (default auto: the config's mamba_ssm_dtype, float32 in the published configs)"
+    doctor.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *SSM_DTYPES], help=ssm_help)
     doctor.add_argument(
         "--release",
         type=release_name,
