@@ -322,7 +322,8 @@ def markdown(results: list[dict]) -> str:
         "",
         'GDN state: every row without "float32 state" in its name ran a checkpoint written before make-tiny set',
         "`mamba_ssm_dtype` (GDN state bfloat16, or float16 where named), half the state bytes of the published",
-        "models, except run 18's row that names `--mamba-ssm-cache-dtype bfloat16` (the published form overridden). 0.23.0+ turn prefix caching on by default, which holds two state blocks per request and state group",
+        "models, except run 18's row that names `--mamba-ssm-cache-dtype bfloat16` (the published form overridden).",
+        "0.23.0+ turn prefix caching on by default, which holds two state blocks per request and state group",
         "(docs/upstream/hybrid-prefix-caching-state-blocks.md).",
         "",
     ]
