@@ -219,57 +219,51 @@ def rows() -> list[dict]:
     # run 14's full-depth engines, started two at once with the pool pinned at 28 GiB (bench/serving_http.py)
     full = json.loads((run12 / "inputs-qwen3.6-27b-full-exl3.json").read_text())["config.json"]
     out.append(
-        dict(
-            kind="layout",
-            name="27B full depth, EXL3 3 bits (aphrodite run, --kv-cache-memory-bytes 28 GiB)",
-            source="run14/fulldepth/qwen3.6-27b-full-aphrodite-base.log",
-            config=full,
-            tensors={},
-            engine=Engine(139.8, max_model_len=832, language_model_only=True),
-            text=(run14 / "fulldepth" / "qwen3.6-27b-full-aphrodite-base.log").read_text(errors="replace"),
-            pool=28 << 30,
+        layout_row(
+            "27B full depth, EXL3 3 bits (aphrodite run, --kv-cache-memory-bytes 28 GiB)",
+            "run14/fulldepth/qwen3.6-27b-full-aphrodite-base.log",
+            full,
+            Engine(139.8, max_model_len=832, language_model_only=True),
+            (run14 / "fulldepth" / "qwen3.6-27b-full-aphrodite-base.log").read_text(errors="replace"),
+            28 << 30,
         )
     )
     # run 18's full-depth engines on 0.24.1 (prefix caching on by default), the config's float32 GDN state and
     # --mamba-ssm-cache-dtype bfloat16 (which replaces the config's value: aphrodite models/config.py)
     run18 = RUNS / "2026-12-03-run18" / "state-dtype"
     cfg18 = json.loads((run18 / "config.json").read_text())
-    for state, cfg in (("float32", cfg18), ("bf16", with_ssm_dtype(cfg18, "bfloat16"))):
-        flag = "" if state == "float32" else ", --mamba-ssm-cache-dtype bfloat16"
+    bf16 = with_ssm_dtype(cfg18, "bfloat16")
+    for state, cfg, flag in (("float32", cfg18, ""), ("bf16", bf16, ", --mamba-ssm-cache-dtype bfloat16")):
         out.append(
-            dict(
-                kind="layout",
-                name=f"27B full depth, {state} state{flag}, 0.24.1 (aphrodite run, --kv-cache-memory-bytes 28 GiB)",
-                source=f"run18/state-dtype/qwen3.6-27b-full-{state}-state.log",
-                config=cfg,
-                tensors={},
-                engine=memplan.Engine(139.8, max_model_len=832, language_model_only=True, release="0.24.1"),
-                text=(run18 / f"qwen3.6-27b-full-{state}-state.log").read_text(errors="replace"),
-                pool=28 << 30,
+            layout_row(
+                f"27B full depth, {state} state{flag}, 0.24.1 (aphrodite run, --kv-cache-memory-bytes 28 GiB)",
+                f"run18/state-dtype/qwen3.6-27b-full-{state}-state.log",
+                cfg,
+                memplan.Engine(139.8, max_model_len=832, language_model_only=True, release="0.24.1"),
+                (run18 / f"qwen3.6-27b-full-{state}-state.log").read_text(errors="replace"),
+                28 << 30,
             )
         )
     for label, logs, log, cfg, kv, release, prefix in pinned:
         text = (logs / log).read_text(errors="replace") if logs.is_dir() else tar_member(logs, log)
+        source = f"{logs.relative_to(RUNS)}/{log}".replace("2026-12-0", "").replace("/engine-logs.tgz", "")
+        eng = memplan.Engine(
+            139.8,
+            max_model_len=2048,
+            kv_dtype=kv,
+            dtype=cfg["text_config"]["dtype"],
+            release=release,
+            prefix_caching=prefix,
+        )
         out.append(
-            dict(
-                kind="layout",
-                name=f"{label} (aphrodite run, --kv-cache-memory-bytes 2 GiB)",
-                source=f"{logs.relative_to(RUNS)}/{log}".replace("2026-12-0", "").replace("/engine-logs.tgz", ""),
-                config=cfg,
-                tensors={},
-                engine=memplan.Engine(
-                    139.8,
-                    max_model_len=2048,
-                    kv_dtype=kv,
-                    dtype=cfg["text_config"]["dtype"],
-                    release=release,
-                    prefix_caching=prefix,
-                ),
-                text=text,
-                pool=2 << 30,
-            )
+            layout_row(f"{label} (aphrodite run, --kv-cache-memory-bytes 2 GiB)", source, cfg, eng, text, 2 << 30)
         )
     return out
+
+
+def layout_row(name: str, source: str, config: dict, engine, text: str, pool: int) -> dict:
+    """A pinned-pool row: the engine's KV layout and capacity for ``pool`` bytes against its start-up log."""
+    return dict(kind="layout", name=name, source=source, config=config, tensors={}, engine=engine, text=text, pool=pool)
 
 
 def with_ssm_dtype(config: dict, dtype: str) -> dict:
