@@ -19,7 +19,9 @@
 #                          (HXF_SD_KV_BYTES each, default 28 GiB; --max-num-seqs HXF_SD_SEQS, default 128),
 #                          levels HXF_SD_LEVELS (default 1,32,64,128), HXF_SD_REPEATS (default 3); measured only
 #                          once the stages named in HXF_SD_AFTER (comma list) have ended, so that their servers
-#                          do not share the GPU with the measured levels (the engines start and warm meanwhile)
+#                          do not share the GPU with the measured levels (the engines start and warm meanwhile);
+#                          no level starts after HXF_SD_DEADLINE seconds (default HXF_STAGE_SECONDS, which also caps
+#                          the suites), so a suite cut at its cap still leaves the levels their time
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
 # Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
 # per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
@@ -60,7 +62,7 @@ state_dtype() {  # PRESET
   for s in ${HXF_SD_AFTER:+${HXF_SD_AFTER//,/ }}; do after+=(--hold-until "$ROOT/$s.done"); done
   local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/state-dtype/$1.json" --port $((8400 + PORTS)) \
-    --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_STAGE_SECONDS:-1500}" "${after[@]}" \
+    --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_SD_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${after[@]}" \
     --variant "float32-state=$common" --variant "bf16-state=$common --mamba-ssm-cache-dtype bfloat16"
 }
 
