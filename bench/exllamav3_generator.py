@@ -4,14 +4,14 @@
     python3 bench/exllamav3_generator.py MODEL_DIR --out FILE.json [--concurrency 1,2,...,256]
         [--prompt 512 --output 256] [--deadline SECONDS]
 
-At each concurrency N, N jobs of ``--prompt`` random token ids (seeded; the same ids for every N's
-first jobs) and ``--output`` new tokens each, greedy (ArgmaxSampler), no stop conditions (ignore EOS),
-are enqueued at once into one Generator (max_batch_size = the largest N, a cache of N x (prompt +
-output) tokens and N recurrent slots), and iterated to the end. Per N: wall time, decode throughput
-(N x output / (wall - the slowest time to first token)), per-request speed ((output - 1) / time_generate,
-mean over the jobs) and time to first token (queue wait plus exllamav3's own ``time_prefill``, mean and
-max). exllamav3's ``Model.warmup`` runs after loading, as its model_init.py does, then one warm-up job.
-Results are written after every N (resumable by --concurrency).
+At each concurrency N, N jobs of ``--prompt`` random token ids (seeded per level, ``level_seed``: the ids
+serving_http.py sends at that level, none seen at another level) and ``--output`` new tokens each, greedy
+(ArgmaxSampler), no stop conditions (ignore EOS), are enqueued at once into one Generator (max_batch_size = the
+largest N, a cache of N x (prompt + output) tokens and N recurrent slots), and iterated to the end. Per N: wall
+time, decode throughput (N x output / (wall - the slowest time to first token)), per-request speed ((output - 1) /
+time_generate, mean over the jobs) and time to first token (queue wait plus exllamav3's own ``time_prefill``, mean
+and max). exllamav3's ``Model.warmup`` runs after loading, as its model_init.py does, then one warm-up job. Results
+are written after every N (resumable by --concurrency).
 """
 
 from __future__ import annotations
@@ -24,11 +24,23 @@ from pathlib import Path
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """N prompts of random ids, the same for one seed in every driver (bench/serving_http.py imports this)."""
     import random
 
     rng = random.Random(seed)
     # ids 1000.. avoid the special and added tokens at the start of Qwen-family vocabularies
     return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def level_seed(concurrency: int, repeat: int = 0) -> int:
+    """The prompts' seed of one measured level: its own for every (concurrency, repeat), the same for every engine.
+
+    A prompt sent twice is answered from cache in part: aphrodite 0.23.0+ cache prefixes of hybrid models by
+    default (in whole attention blocks, so a bfloat16 state's 400-token block hits on a 512-token prompt where a
+    float32 state's 784-token block does not), and exllamav3's generator reuses the pages of a prompt it has seen.
+    Fresh prompts per level keep the cache out of every measured level; the warm-up seeds (98, 99) are apart.
+    """
+    return 1_000_000 + 1_000 * repeat + concurrency
 
 
 def run_level(generator, Job, sampler, ids: list[list[int]], output: int, torch) -> dict:
@@ -107,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - t0 > args.deadline:
             out["stopped_before"] = n
             break
-        out["rows"].append(run_level(generator, Job, sampler, prompts(n, args.prompt, vocab), args.output, torch))
+        out["rows"].append(
+            run_level(generator, Job, sampler, prompts(n, args.prompt, vocab, seed=level_seed(n)), args.output, torch)
+        )
         args.out.write_text(json.dumps(out, indent=2))
         print(json.dumps(out["rows"][-1]), flush=True)
     args.out.write_text(json.dumps(out, indent=2))

@@ -3,16 +3,17 @@
     python3 bench/same_run.py MODEL_DIR --out FILE.json --variant NAME="ENGINE ARGS" --variant ... \
         [--concurrency 1,32,64,128] [--repeats 3] [--prompt 512 --output 256] [--deadline SECONDS]
 
-Every variant is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
-its own arguments; all start at once, so each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a
-small ``--gpu-memory-utilization``. Once all have answered one warm-up request (and one warm-up level at the
-largest concurrency, so that no variant meets a first-use cost inside a measured level) and every
-``--hold-until`` file exists (other work sharing the GPU has ended: the wait is kept as ``held_s``), every level is run
-``--repeats`` times, the variants alternated (repeat 0: A, B; repeat 1: B, A; ...), with nothing else sent to
-the GPU meanwhile. One formula for every variant (serving_http.level): decode tok/s = completed requests x
-(output - 1) / (last token of any request - first token of any request); per-request tok/s = mean over
-requests of (output - 1) / (its last token - its first token). The JSON keeps every repeat, the median and
-the spread (min, max) per variant and level, and each variant's start-up figures (KV tokens, concurrency,
+Every variant is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus its own
+arguments; all start at once, so each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small
+``--gpu-memory-utilization``. Once all have answered one warm-up request (and one warm-up level at the largest
+concurrency, so that no variant meets a first-use cost inside a measured level) and every ``--hold-until`` file
+exists (other work sharing the GPU has ended: the wait is kept as ``held_s``), every level is run ``--repeats``
+times, the variants alternated (repeat 0: A, B; repeat 1: B, A; ...), with nothing else sent to the GPU meanwhile;
+every level and repeat sends its own prompts (``level_seed``: the same for every variant, so that no level is
+answered from a prefix cache the previous one filled). One formula for every variant (serving_http.level): decode
+tok/s = completed requests x (output - 1) / (last token of any request - first token of any request); per-request
+tok/s = mean over requests of (output - 1) / (its last token - its first token). The JSON keeps every repeat, the
+median and the spread (min, max) per variant and level, and each variant's start-up figures (KV tokens, concurrency,
 block size as the engine logged them). Results are written after every level.
 """
 
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_http import ROOT, level, prompts  # noqa: E402
+from serving_http import ROOT, level, level_seed, prompts  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
@@ -130,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() - t0 > args.deadline:
                         out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name}
                         return 0
-                    row = asyncio.run(level(servers[name].url, name, prompts(n, args.prompt, vocab), args.output))
+                    row = asyncio.run(
+                        level(
+                            servers[name].url,
+                            name,
+                            prompts(n, args.prompt, vocab, seed=level_seed(n, rep)),
+                            args.output,
+                        )
+                    )
                     out["runs"].append({"variant": name, "repeat": rep, **row})
                     save()
                     print(json.dumps(out["runs"][-1]), flush=True)

@@ -6,7 +6,8 @@
 Starts the real server (tests/gpu/server.py: the console script, the overlay found by aphrodite's
 plugin loader) with the engine's defaults plus ``--engine-args`` (and, with ``--adapter``,
 ``--enable-lora --lora-modules bench=PATH``, every request then naming that adapter). At each
-concurrency N: N streaming completions at once, ``--prompt`` random token ids each (seeded), greedy,
+concurrency N: N streaming completions at once, ``--prompt`` random token ids each (seeded per level, the ids
+exllamav3_generator.py sends there, none repeated from another level), greedy,
 ``--output`` tokens with ``ignore_eos``. Per N: wall time, throughput (N x output / wall), decode
 throughput (tokens after each request's first over the span from the first first-token to the last
 token), per-request decode speed (mean of (output - 1) / (last token - first token)) and time to first
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import shlex
 import statistics
 import sys
@@ -34,11 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-
-
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(n)]
+sys.path.insert(0, str(ROOT / "bench"))
+from exllamav3_generator import level_seed, prompts  # noqa: E402  (one prompt source for every driver)
 
 
 async def one(api, model: str, ids: list[int], output: int) -> dict:
@@ -161,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - t0 > args.deadline:
                 out["stopped_before"] = n
                 break
-            out["rows"].append(asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab), args.output)))
+            out["rows"].append(
+                asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab, seed=level_seed(n)), args.output))
+            )
             args.out.write_text(json.dumps(out, indent=2))
             print(json.dumps(out["rows"][-1]), flush=True)
     finally:

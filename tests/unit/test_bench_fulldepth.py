@@ -183,8 +183,25 @@ def test_exllamav3_generator_reads_the_job_times_as_durations():
 
 
 def test_both_drivers_send_the_same_prompts():
-    assert serving_http.prompts(3, 16, 5000) == exllamav3_generator.prompts(3, 16, 5000)
+    assert (
+        serving_http.prompts is exllamav3_generator.prompts
+        and serving_http.level_seed is exllamav3_generator.level_seed
+    )
     assert all(1000 <= t < 5000 for p in serving_http.prompts(3, 16, 5000) for t in p)
+
+
+def test_no_measured_level_repeats_a_prompt_of_another_or_of_the_warm_up():
+    """aphrodite 0.23.0+ cache prefixes of hybrid models by default, in whole attention blocks
+    (docs/upstream/hybrid-prefix-caching-state-blocks.md): a prompt seen at an earlier level is answered from cache in
+    part, and more so with a bfloat16 state's 400-token block than a float32 state's 784-token one."""
+    seen = {}
+    for rep in range(3):
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for ids in serving_http.prompts(n, 400, 248_320, seed=serving_http.level_seed(n, rep)):
+                assert tuple(ids[:16]) not in seen, f"level {n} repeat {rep} repeats level {seen[tuple(ids[:16])]}"
+                seen[tuple(ids[:16])] = (n, rep)
+    for warm in (98, 99):  # same_run.py's and serving_http.py's warm-up prompts
+        assert all(tuple(ids[:16]) not in seen for ids in serving_http.prompts(256, 16, 248_320, seed=warm))
 
 
 def test_fulldepth_report_ratios_and_goals(tmp_path):
