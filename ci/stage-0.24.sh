@@ -48,15 +48,25 @@ DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0'
       pyzmq referencing rpds-py setproctitle sniffio typing-inspection watchfiles 'xgrammar>=0.2.1,<1'
       'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor 'anthropic>=0.71' 'mcp>=2,<3'
       uvicorn httptools websockets python-multipart email-validator dnspython pydantic-extra-types)
+# nvidia-cutlass-dsl[cu13]==4.6.2 (aphrodite 0.24.1's METADATA pin): FlashInfer's GDN prefill kernel, the engine's
+# default --gdn-prefill-backend on SM90, imports `cutlass` at its first prefill (run 19, 2026-12-03: without it
+# `ModuleNotFoundError: No module named 'cutlass'` stopped the engine in its warm-up). Its CUDA Python bindings
+# (cuda-python 13.4.4's) are installed only where the image has none.
+CUTLASS=(nvidia-cutlass-dsl==4.6.2 nvidia-cutlass-dsl-libs-base==4.6.2 nvidia-cutlass-dsl-libs-core==4.6.2
+         nvidia-cutlass-dsl-libs-cu13==4.6.2 'nvidia-cuda-nvdisasm>=13.3,<14')
+CUDA_PY=(cuda-python==13.4.4 cuda-bindings==13.4.4 'cuda-core>=1.2,<1.3' 'cuda-pathfinder>=1.1,<2')
 echo "== downloading into $CACHE (cached between runs)"
 [ -f "$CACHE/.core-ok" ] || { pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/core" "${CORE[@]}" && touch "$CACHE/.core-ok"; }
 [ -f "$CACHE/.side-ok" ] || { pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/side" "${TORCH_SIDE[@]}" && touch "$CACHE/.side-ok"; } \
   || { echo "stage-0.24: could not download ${TORCH_SIDE[*]}"; exit 1; }
 [ -f "$CACHE/.deps-ok" ] || { pip download -q --no-deps "${PLAT[@]}" --platform any -d "$CACHE/deps" "${DEPS[@]}" 2>/dev/null \
   || pip download -q --no-deps "${PLAT[@]}" -d "$CACHE/deps" "${DEPS[@]}"; touch "$CACHE/.deps-ok"; }
-du -sh "$CACHE/core" "$CACHE/side" "$CACHE/deps"
+[ -f "$CACHE/.cutlass-ok" ] || { pip download -q --no-deps "${PLAT[@]}" --platform any -d "$CACHE/cutlass" "${CUTLASS[@]}" \
+  && pip download -q --no-deps "${PLAT[@]}" --platform any -d "$CACHE/cutlass/cuda-python" "${CUDA_PY[@]}" \
+  && touch "$CACHE/.cutlass-ok"; } || { echo "stage-0.24: could not download ${CUTLASS[*]} ${CUDA_PY[*]}"; exit 1; }
+du -sh "$CACHE/core" "$CACHE/side" "$CACHE/deps" "$CACHE/cutlass"
 TMP=$(mktemp -d)
-tar cf "$TMP/payload.tar" -C "$CACHE" core side deps  # the wheels are compressed already
+tar cf "$TMP/payload.tar" -C "$CACHE" core side deps cutlass  # the wheels are compressed already
 rm -rf "$OUTD"; mkdir -p "$OUTD"
 split -b "$PART_BYTES" -d -a 2 "$TMP/payload.tar" "$TMP/part"
 n=0
@@ -77,13 +87,15 @@ cat \$(ls /tmp/devstage24/part* | sort) | tar xf - -C /tmp/devpayload24
 pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "\$@"; }
 pip --target /tmp/devsite24/torch /tmp/devpayload24/core/torch-*.whl /tmp/devpayload24/core/triton-*.whl /tmp/devpayload24/side/*.whl
 PYTHONPATH=/tmp/devsite24/torch python3 -c "import torch, torchvision; torch.cuda.init(); x = torch.ones(4, device='cuda'); torch.ops.torchvision.nms; print('devstage24: torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'sum', float(x.sum()), 'nccl', torch.cuda.nccl.version(), 'torchvision', torchvision.__version__)"
-pip --target /tmp/devsite24/site \$(ls /tmp/devpayload24/core/*.whl | grep -v -e /torch- -e /triton-) /tmp/devpayload24/deps/*.whl
+pip --target /tmp/devsite24/site \$(ls /tmp/devpayload24/core/*.whl | grep -v -e /torch- -e /triton-) /tmp/devpayload24/deps/*.whl /tmp/devpayload24/cutlass/*.whl
+PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site python3 -c "import cuda.bindings" 2>/dev/null || pip --target /tmp/devsite24/site /tmp/devpayload24/cutlass/cuda-python/*.whl
 rm -rf /tmp/devpayload24 /tmp/devstage24
 mkdir -p /tmp/devsite24/bin
 printf '#!/usr/bin/env python3\\nimport sys\\nfrom aphrodite.entrypoints.cli.main import main\\nif __name__ == "__main__":\\n    sys.exit(main())\\n' > /tmp/devsite24/bin/aphrodite
 chmod +x /tmp/devsite24/bin/aphrodite
 export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site
 python3 -c "import aphrodite, torch, aphrodite._C_stable_libtorch; print('devstage24: aphrodite', aphrodite.__version__, 'torch', torch.__version__, '(kernels load)')"
+python3 -c "import cutlass; print('devstage24: cutlass', cutlass.__version__ if hasattr(cutlass, '__version__') else '(imports)')" 2>&1 | tail -1
 echo "devstage24: ready. Later calls: export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site PATH=/tmp/devsite24/bin:\\\$PATH APHRODITE_NO_USAGE_STATS=1"
 SH
 chmod +x "$OUTD"/*/*.sh
