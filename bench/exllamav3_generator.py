@@ -37,8 +37,9 @@ def level_seed(concurrency: int, repeat: int = 0) -> int:
 
     A prompt sent twice is answered from cache in part: aphrodite 0.23.0+ cache prefixes of hybrid models by
     default (in whole attention blocks, so a bfloat16 state's 400-token block hits on a 512-token prompt where a
-    float32 state's 784-token block does not), and exllamav3's generator reuses the pages of a prompt it has seen.
-    Fresh prompts per level keep the cache out of every measured level; the warm-up seeds (98, 99) are apart.
+    float32 state's 784-token block does not), and exllamav3's dynamic generator can reuse the cached pages of a
+    prompt it has seen. Fresh prompts per level keep the cache out of every measured level; the warm-up seeds (98,
+    99) are apart.
     """
     return 1_000_000 + 1_000 * repeat + concurrency
 

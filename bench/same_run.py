@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log)
         servers[name].start()
     out = {"model": str(args.model_dir), "formula": __doc__.split("One formula")[1].split("The JSON")[0].strip()}
+    out["prompts"] = "seeded by level_seed(concurrency, repeat): fresh per level and repeat, shared by variants"
     out["variants"] = {n: {"command": s.command} for n, s in servers.items()}
     out["levels"], out["repeats"], out["runs"] = levels, args.repeats, []
 
