@@ -39,6 +39,10 @@ mkdir -p "$ROOT"
 [ -d "$TARGET/aphrodite" ] || { echo "gpu-run: $TARGET has no aphrodite: run the staging install call first"; exit 3; }
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$PYPATH" HXF_SITE=""
 export TRITON_CACHE_DIR="/tmp/hxf-triton-$REL" HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-900}"
+if ls .cache/compile-caches/caches-* > /dev/null 2>&1; then  # carried: ci/device-collect.sh's parts of an earlier run
+  cat .cache/compile-caches/caches-* | tar xzf - -C / 2>/dev/null
+  echo "== compile caches restored from $(ls .cache/compile-caches/caches-* | wc -l) parts (docs/development.md)"
+fi
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$TARGET" . 2>&1 \
   | grep -v "^WARNING: Target" | tail -3
 echo "== $(date -u +%FT%TZ) $REL: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__)' 2>&1 | tail -1)"

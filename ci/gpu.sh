@@ -11,7 +11,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hxf-triton-cache}"
 export HXF_GPU_WORK="${HXF_GPU_WORK:-/tmp/hxf-gpu}" HXF_GPU_RESULTS="$OUT/gpu-results.json"
-rm -rf "$HXF_GPU_WORK"; mkdir -p "$HXF_GPU_WORK"  # checkpoints are rebuilt by the code under test
+# checkpoints are rebuilt by the code under test; the servers' compile caches (aphrodite-cache/CELL) are kept, so
+# that caches carried from an earlier run (ci/gpu-run.sh restores them) spare the cold start
+mkdir -p "$HXF_GPU_WORK"; find "$HXF_GPU_WORK" -mindepth 1 -maxdepth 1 ! -name aphrodite-cache -exec rm -rf {} +
 if [ -n "$SITE" ]; then
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
   export PYTHONPATH="$SITE"
