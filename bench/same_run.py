@@ -1,20 +1,24 @@
 """Several engine configurations on one checkpoint, measured in one run, alternated level by level.
 
     python3 bench/same_run.py MODEL_DIR --out FILE.json --variant NAME="ENGINE ARGS" --variant ... \
+        [--exllamav3 NAME] [--variant-env NAME="KEY=VALUE ..."] \
         [--concurrency 1,32,64,128] [--repeats 3] [--prompt 512 --output 256] [--deadline SECONDS]
 
-Every variant is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus its own
-arguments; all start at once, so each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small
-``--gpu-memory-utilization``. Once all have answered one warm-up request (and one warm-up level at the largest
-concurrency, so that no variant meets a first-use cost inside a measured level) and every ``--hold-until`` file
-exists (other work sharing the GPU has ended: the wait is kept as ``held_s``), every level is run ``--repeats``
-times, the variants alternated (repeat 0: A, B; repeat 1: B, A; ...), with nothing else sent to the GPU meanwhile;
-every level and repeat sends its own prompts (``level_seed``: the same for every variant, so that no level is
-answered from a prefix cache the previous one filled). One formula for every variant (serving_http.level): decode
-tok/s = completed requests x (output - 1) / (last token of any request - first token of any request); per-request
-tok/s = mean over requests of (output - 1) / (its last token - its first token). The JSON keeps every repeat, the
-median and the spread (min, max) per variant and level, and each variant's start-up figures (KV tokens, concurrency,
-block size as the engine logged them). Results are written after every level.
+Every ``--variant`` is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
+its own arguments, in the environment ``--variant-env`` gives it (another release's PYTHONPATH and PATH, an overlay
+switch), and every ``--exllamav3`` variant exllamav3's generator on the same checkpoint (bench/exl3_worker.py:
+loaded, warmed up with Model.warmup and the largest batch, then asked one level at a time); all start at once, so
+each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small ``--gpu-memory-utilization``. Once all
+have answered one warm-up request (and one warm-up level at the largest concurrency, so that no variant meets a
+first-use cost inside a measured level) and every ``--hold-until`` file exists (other work sharing the GPU has
+ended: the wait is kept as ``held_s``), every level is run ``--repeats`` times, the variants alternated (repeat 0:
+A, B; repeat 1: B, A; ...), with nothing else sent to the GPU meanwhile; every level and repeat sends its own
+prompts (``level_seed``: the same for every variant, so that no level is answered from a prefix cache the previous
+one filled). One formula for every variant (serving_http.level; exllamav3_generator.run_level times its tokens the
+same way): decode tok/s = completed requests x (output - 1) / (last token of any request - first token of any
+request); per-request tok/s = mean over requests of (output - 1) / (its last token - its first token). The JSON
+keeps every repeat, the median and the spread (min, max) per variant and level, and each variant's start-up figures
+(KV tokens, concurrency, block size as the engine logged them). Results are written after every level.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -43,11 +48,35 @@ def variant(text: str) -> tuple[str, list[str]]:
     return name.strip(), shlex.split(args)
 
 
+def variant_env(text: str) -> tuple[str, dict]:
+    name, sep, pairs = text.partition("=")
+    env = dict(pair.partition("=")[::2] for pair in shlex.split(pairs))
+    if not sep or not name.strip() or any(not k for k in env):
+        raise argparse.ArgumentTypeError(f'--variant-env takes NAME="KEY=VALUE ...", got {text!r}')
+    return name.strip(), env
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variant", type=variant, action="append", required=True, help='NAME="ENGINE ARGS"')
+    p.add_argument(
+        "--exllamav3",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="one more variant: exllamav3's generator on the same checkpoint (bench/exl3_worker.py)",
+    )
+    p.add_argument(
+        "--variant-env",
+        type=variant_env,
+        action="append",
+        default=[],
+        metavar='NAME="KEY=VALUE ..."',
+        help="environment of one variant (another release's PYTHONPATH and PATH, HYBRID_EXL3_FIXES_DISABLE=P8, "
+        "exllamav3's PYTHONPATH); with PATH, that PATH's aphrodite console script is run",
+    )
     p.add_argument("--concurrency", default="1,32,64,128")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt", type=int, default=512)
@@ -79,12 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
         parser().error(f"{args.model_dir} has no config.json")
-    names = [n for n, _ in args.variant]
+    names = [n for n, _ in args.variant] + args.exllamav3
     if len(set(names)) != len(names):
         parser().error(f"variant names repeat: {names}")
+    envs = dict(args.variant_env)
+    if set(envs) - set(names):
+        parser().error(f"--variant-env names no variant: {sorted(set(envs) - set(names))}")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        parser().error(f"--concurrency takes a comma list of integers, not {args.concurrency!r}")
+    from exl3_worker import Exl3Worker
+
     from server import Server
 
-    levels = [int(c) for c in args.concurrency.split(",")]
     vocab = json.loads((args.model_dir / "config.json").read_text()).get("text_config", {}).get("vocab_size", 32000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -92,7 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, extra) in enumerate(args.variant):
         engine = ["--served-model-name", name, "--max-model-len", str(args.prompt + args.output + 64), *extra]
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
-        servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log)
+        env = envs.get(name, {})
+        exe = shutil.which("aphrodite", path=env["PATH"]) if "PATH" in env else None
+        servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log, env=env, exe=[exe] if exe else [])
+        servers[name].start()
+    for name in args.exllamav3:
+        log = args.out.with_name(f"{args.out.stem}-{name}.log")
+        servers[name] = Exl3Worker(
+            name, str(args.model_dir), log, envs.get(name, {}), max(levels), args.prompt, args.output
+        )
         servers[name].start()
     out = {"model": str(args.model_dir), "formula": __doc__.split("One formula")[1].split("The JSON")[0].strip()}
     out["prompts"] = "seeded by level_seed(concurrency, repeat): fresh per level and repeat, shared by variants"
@@ -109,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.write_text(json.dumps(out, indent=2))
 
+    def measure(server, n: int, seed: int) -> dict:
+        if isinstance(server, Exl3Worker):  # the same prompts: the worker draws prompts(n, prompt, vocab, seed)
+            return server.level(n, seed, args.output)
+        return asyncio.run(level(server.url, server.name, prompts(n, args.prompt, vocab, seed=seed), args.output))
+
     try:
         for name, server in servers.items():
             up = server.wait_ready(max(1.0, args.start_timeout - (time.monotonic() - t0)))
@@ -117,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 out["variants"][name]["error"] = server.root_error()[:800] or "did not start"
         live = [n for n in servers if out["variants"][n]["started"]]
         save()
-        for name in live:  # warm-up: one request, then the largest level once
+        for name in live:  # warm-up: one request, then the largest level once (the exllamav3 worker's own, at start)
+            if isinstance(servers[name], Exl3Worker):
+                out["variants"][name]["warmup"] = servers[name].warmup()
+                continue
             url = servers[name].url
             out["variants"][name]["warmup"] = asyncio.run(level(url, name, prompts(1, args.prompt, vocab, seed=99), 16))
             asyncio.run(level(url, name, prompts(max(levels), args.prompt, vocab, seed=98), 16))
@@ -132,14 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() - t0 > args.deadline:
                         out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name}
                         return 0
-                    row = asyncio.run(
-                        level(
-                            servers[name].url,
-                            name,
-                            prompts(n, args.prompt, vocab, seed=level_seed(n, rep)),
-                            args.output,
-                        )
-                    )
+                    row = measure(servers[name], n, level_seed(n, rep))
                     out["runs"].append({"variant": name, "repeat": rep, **row})
                     save()
                     print(json.dumps(out["runs"][-1]), flush=True)

@@ -57,6 +57,7 @@ class Server:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     ready_s: float | None = None
+    exe: list[str] = field(default_factory=list)  # the console script to run; empty: aphrodite_command()
 
     @property
     def url(self) -> str:
@@ -64,7 +65,16 @@ class Server:
 
     @property
     def command(self) -> list[str]:
-        return [*aphrodite_command(), "run", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        return [
+            *(self.exe or aphrodite_command()),
+            "run",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "HYBRID_EXL3_FIXES_DISABLE"}

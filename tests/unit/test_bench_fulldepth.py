@@ -140,32 +140,32 @@ def test_exllamav3_generator_refuses_a_folder_without_config(tmp_path, capsys):
 
 
 class _Generator:
-    """A stand-in for exllamav3's Generator (fake input): each job finishes in one iterate() with the
-    result exllamav3 1.6.5's generator/job.py emits at EOS, whose times are durations."""
+    """A stand-in for exllamav3's Generator (fake input): one streaming result per job and step, 1 ms a step, the
+    last with eos and the times exllamav3 1.6.5's generator/job.py emits at EOS (durations)."""
 
-    def __init__(self):
-        self.queue = []
+    def __init__(self, steps=11):
+        self.queue, self.steps = [], steps
 
     def enqueue(self, job):
-        self.queue.append(job)
+        self.queue.append([job, 0])
 
     def num_remaining_jobs(self):
         return len(self.queue)
 
     def iterate(self):
-        done, self.queue = self.queue, []
-        return [
-            {
-                "stage": "streaming",
-                "eos": True,
-                "identifier": job.identifier,
-                "new_tokens": job.max_new_tokens,
-                "time_enqueued": 0.5,
-                "time_prefill": 0.25,
-                "time_generate": 3.0,
-            }
-            for job in done
-        ]
+        import time
+
+        time.sleep(0.001)
+        out = []
+        for entry in self.queue:
+            entry[1] += 1
+            job, eos = entry[0], entry[1] == self.steps
+            r = {"stage": "streaming", "eos": eos, "identifier": job.identifier, "text": "a"}
+            if eos:
+                r.update(new_tokens=job.max_new_tokens, time_enqueued=0.5, time_prefill=0.25, time_generate=3.0)
+            out.append(r)
+        self.queue = [e for e in self.queue if e[1] < self.steps]
+        return out
 
 
 class _Job:
@@ -173,13 +173,30 @@ class _Job:
         self.max_new_tokens, self.identifier = max_new_tokens, identifier
 
 
-def test_exllamav3_generator_reads_the_job_times_as_durations():
+def test_exllamav3_generator_times_tokens_as_serving_http_does_and_keeps_its_own_job_times():
     import torch
 
     row = exllamav3_generator.run_level(_Generator(), _Job, None, [[1, 2], [3, 4]], 31, torch)
-    assert row["completed"] == 2 and row["new_tokens"] == 62
-    assert row["per_request_tok_s"] == 10.0  # (31 - 1) / time_generate, not / (time_generate - time_prefill)
-    assert row["ttft_mean_s"] == 0.75  # queue wait + prefill
+    assert row["completed"] == 2 and row["new_tokens"] == 62 and row["failed"] == 0
+    # one formula with aphrodite's: (output - 1) over each job's first-to-last token span, 10 steps of >= 1 ms
+    assert 0 < row["per_request_tok_s"] <= 30 / 0.010 and 0 < row["decode_tok_s"] <= 2 * 30 / 0.010
+    assert row["ttft_mean_s"] < 0.1  # the first token's own time, not exllamav3's queue + prefill durations
+    assert row["exl3_per_request_tok_s"] == 10.0  # (31 - 1) / time_generate
+    assert row["exl3_ttft_mean_s"] == 0.75  # queue wait + prefill
+
+
+def test_exllamav3_serve_answers_each_asked_level_and_survives_a_bad_line():
+    import io
+
+    import torch
+
+    lines = [json.dumps({"concurrency": 3, "seed": 7, "output": 5}), "not json", json.dumps({"concurrency": 0})]
+    lines.append(json.dumps({"concurrency": 1, "seed": 8, "output": 5}))
+    out = io.StringIO()
+    exllamav3_generator.serve(_Generator(4), _Job, None, 5000, 16, torch, io.StringIO("\n".join(lines) + "\n"), out)
+    answers = out.getvalue().splitlines()
+    assert [a.split(" ")[0] for a in answers] == ["LEVEL", "ERROR", "ERROR", "LEVEL"]
+    assert json.loads(answers[0][6:])["completed"] == 3 and json.loads(answers[3][6:])["concurrency"] == 1
 
 
 def test_both_drivers_send_the_same_prompts():

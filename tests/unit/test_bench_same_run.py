@@ -1,0 +1,129 @@
+"""bench/same_run.py on the CPU: two aphrodite variants (stand-in servers, fake input: the client, the alternation,
+the prompts and the summary are the real code), one started from another PATH as another release's is, and an
+exllamav3 variant through bench/exl3_worker.py and exllamav3_generator.serve() with a stand-in generator."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from helpers import ROOT, free_port, install_fake_aphrodite
+
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+import exl3_worker  # noqa: E402
+import same_run  # noqa: E402
+from test_bench_fulldepth import STREAMING_APHRODITE  # noqa: E402
+
+FAKE_GENERATOR_SCRIPT = textwrap.dedent("""\
+    # stand-in for bench/exllamav3_generator.py --serve (fake input: the generator); serve() is the real one
+    import json, sys, time
+    sys.path.insert(0, {bench!r})
+    import exllamav3_generator as real
+
+    class Torch:
+        tensor = staticmethod(lambda x: x)
+
+    class Job:
+        def __init__(self, input_ids, max_new_tokens, sampler, stop_conditions, identifier):
+            self.max_new_tokens, self.identifier, self.ids = max_new_tokens, identifier, input_ids
+
+    class Generator:
+        def __init__(self):
+            self.queue = []
+        def enqueue(self, job):
+            self.queue.append([job, 0])
+        def num_remaining_jobs(self):
+            return len(self.queue)
+        def iterate(self):
+            time.sleep(0.002)
+            out = []
+            for e in self.queue:
+                e[1] += 1
+                eos = e[1] == e[0].max_new_tokens
+                out.append({{"stage": "streaming", "eos": eos, "identifier": e[0].identifier,
+                             "new_tokens": e[1], "time_enqueued": 0, "time_prefill": 0, "time_generate": 1}})
+            self.queue = [e for e in self.queue if e[1] < e[0].max_new_tokens]
+            return out
+
+    args = sys.argv[1:]
+    prompt = int(args[args.index("--prompt") + 1])
+    print("READY " + json.dumps({{"load_s": 1.5, "warmup_s": 2.5, "warmup": {{"completed": 1}}}}), flush=True)
+    real.serve(Generator(), Job, None, 5000, prompt, Torch)
+""")
+
+
+@pytest.fixture
+def engines(tmp_path, monkeypatch):
+    pytest.importorskip("openai")
+    install_fake_aphrodite(tmp_path, monkeypatch, STREAMING_APHRODITE)
+    other = tmp_path / "other-release" / "bin"  # a second console script, as a staged release's bin/ holds it
+    other.mkdir(parents=True)
+    script = STREAMING_APHRODITE.replace("{python}", sys.executable).replace("4,321 tokens", "1,234 tokens")
+    (other / "aphrodite").write_text(script)
+    (other / "aphrodite").chmod(0o755 | stat.S_IEXEC)
+    fake_bench = tmp_path / "fake-bench"
+    fake_bench.mkdir()
+    (fake_bench / "exllamav3_generator.py").write_text(FAKE_GENERATOR_SCRIPT.format(bench=str(ROOT / "bench")))
+    monkeypatch.setattr(exl3_worker, "BENCH", fake_bench)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 5000}}))
+    return model, other, tmp_path
+
+
+def test_aphrodite_variants_and_exllamav3_alternate_on_the_same_prompts(engines):
+    model, other, tmp = engines
+    out = tmp / "run.json"
+    argv = [str(model), "--out", str(out), "--variant", "a=--foo", "--variant", "b=", "--exllamav3", "exl3"]
+    argv += ["--variant-env", f"b=PATH={other}:/usr/bin:/bin", "--variant-env", "exl3=HXF_MARK=1"]
+    argv += ["--concurrency", "1,3", "--repeats", "2", "--prompt", "8", "--output", "12", "--port", str(free_port())]
+    argv += ["--start-timeout", "60"]
+    assert same_run.main(argv) == 0
+    run = json.loads(out.read_text())
+    v = run["variants"]
+    assert all(v[n]["started"] for n in ("a", "b", "exl3"))
+    assert v["a"]["kv_cache_tokens"] == 4321 and v["b"]["kv_cache_tokens"] == 1234  # b ran the other release's
+    assert v["b"]["command"][0] == str(other / "aphrodite") and "--foo" in v["a"]["command"]
+    assert v["exl3"]["load_s"] == 1.5 and v["exl3"]["warmup"] == {"completed": 1}
+    order = [(r["repeat"], r["concurrency"], r["variant"]) for r in run["runs"]]
+    assert order == [
+        *((0, n, x) for n in (1, 3) for x in ("a", "b", "exl3")),
+        *((1, n, x) for n in (1, 3) for x in ("exl3", "b", "a")),
+    ]
+    for r in run["runs"]:
+        assert r["completed"] == r["concurrency"] and r["decode_tok_s"] > 0 and r["per_request_tok_s"] > 0
+    assert set(run["summary"]) == {"a", "b", "exl3"} and run["summary"]["exl3"]["3"]["decode_tok_s"]["median"] > 0
+    assert "level_seed" in run["prompts"]
+
+
+def test_a_worker_that_dies_gives_failed_levels_and_the_run_goes_on(engines, tmp_path):
+    model, _, tmp = engines
+    (exl3_worker.BENCH / "exllamav3_generator.py").write_text("import sys; print('READY {}', flush=True); sys.exit(3)")
+    out = tmp / "run.json"
+    argv = [str(model), "--out", str(out), "--variant", "a=", "--exllamav3", "exl3", "--concurrency", "2"]
+    argv += ["--repeats", "1", "--prompt", "8", "--output", "6", "--port", str(free_port()), "--start-timeout", "60"]
+    assert same_run.main(argv) == 0
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["a"]["completed"] == 2
+    assert runs["exl3"]["completed"] == 0 and runs["exl3"]["failed"] == 2 and runs["exl3"]["first_failure"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--variant-env", "nobody=X=1"], "--variant-env names no variant"),
+        (["--variant-env", "a"], "--variant-env takes"),
+        (["--exllamav3", "a"], "variant names repeat"),
+        (["--concurrency", "1,x"], "--concurrency takes"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(engines, capsys, extra, message):
+    model, _, tmp = engines
+    with pytest.raises(SystemExit) as e:
+        same_run.main([str(model), "--out", str(tmp / "r.json"), "--variant", "a=", *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err and not (tmp / "r.json").exists()
