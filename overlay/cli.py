@@ -214,7 +214,8 @@ def make_full(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.dir}: exl3/ ({len(spec.layer_types)} layers, {len(manifest['exl3_modules'])} EXL3 projections, "
         f"{spec.bits} bits, head {spec.head_bits} bits, {manifest['weight_bytes'] / 2**30:.2f} GiB in "
-        f"{len(spec.layer_types) + 2} shards), lora-a (no dense twin at full depth)"
+        f"{len(spec.layer_types) + 3} shards), lora-a (attention and GDN), lora-mlp (and the MLP; no dense twin at "
+        "full depth)"
     )
     return 0
 

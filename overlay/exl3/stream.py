@@ -33,7 +33,16 @@ from pathlib import Path
 from . import codec
 from .tiny import progress, write_staged
 from .tinyfiles import folder_files, write_configs
-from .tinyspec import QWEN36_35B_A3B_LAYER, TinySpec, _check, hf_config, layer_projections, mtp_projections
+from .tinyspec import (
+    ATTENTION_TARGETS,
+    LORA_TARGETS,
+    QWEN36_35B_A3B_LAYER,
+    TinySpec,
+    _check,
+    hf_config,
+    layer_projections,
+    mtp_projections,
+)
 from .tinystate import (
     Draw,
     _global_state,
@@ -172,16 +181,17 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     write_configs(folder, spec, cfg, storage)
-    # one adapter over the attention and GDN projections, for the LoRA runs
-    adapter = dataclasses.replace(
-        spec, lora_targets=("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj")
-    )
+    # two adapters for the LoRA runs: lora-a over the attention and GDN projections; lora-mlp over those and the MLP
+    # (a MoE's shared expert; the routed experts are lora-experts' alone)
+    adapter = dataclasses.replace(spec, lora_targets=ATTENTION_TARGETS)
     keys = _write_adapter(tmp / "lora-a", adapter, torch, save_file, torch.Generator().manual_seed(spec.seed + 1))
+    mlp = dataclasses.replace(spec, lora_targets=LORA_TARGETS)
+    mlp_keys = _write_adapter(tmp / "lora-mlp", mlp, torch, save_file, torch.Generator().manual_seed(spec.seed + 3))
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
         **exl3_module_lists(storage),
         "weight_bytes": total,
-        "adapters": {"lora-a": keys},
+        "adapters": {"lora-a": keys, "lora-mlp": mlp_keys},
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -35,6 +35,9 @@ LORA_TARGETS = (
 )
 
 
+# the attention and GDN projections alone: the full-depth presets' lora-a
+ATTENTION_TARGETS = tuple(t for t in LORA_TARGETS if t not in ("gate_proj", "up_proj", "down_proj"))
+
 # The GDN gate projections (unquantized in EXL3 checkpoints; aphrodite fuses them into ``in_proj_ba``):
 # adapters trained with megatron-swift or VeOmni for Qwen3.5/3.6 carry them (vLLM issue #40005 shows such a
 # key list). The adapter named ``lora-ab`` targets them besides LORA_TARGETS.

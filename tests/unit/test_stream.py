@@ -38,6 +38,24 @@ def test_one_shard_per_layer_and_an_index(full):
     assert index["metadata"]["total_size"] == manifest["weight_bytes"]
 
 
+def test_two_adapters_one_without_the_mlp_one_with_it(full):
+    dest, _, manifest = full
+    a, mlp = (set(manifest["adapters"][k]) for k in ("lora-a", "lora-mlp"))
+    assert a < mlp and all(".mlp." not in k for k in a)
+    assert {k.split(".")[-3] for k in mlp - a} == {"gate_proj", "up_proj", "down_proj"}
+    for name in ("lora-a", "lora-mlp"):
+        config = json.loads((dest / name / "adapter_config.json").read_text())
+        assert ("down_proj" in config["target_modules"]) == (name == "lora-mlp")
+
+
+def test_a_moe_full_writer_adapts_the_shared_expert_not_the_routed_ones(tmp_path):
+    spec = TinySpec(layer_types=EIGHT[:4], experts=4, experts_per_tok=2, moe_intermediate=256, shared_intermediate=256)
+    manifest = write_full(tmp_path / "m", spec, device="cpu")
+    mlp = [k for k in manifest["adapters"]["lora-mlp"] if ".mlp." in k]
+    assert mlp and all(".mlp.shared_expert." in k for k in mlp)
+    assert not [k for k in manifest["adapters"]["lora-a"] if ".mlp." in k]
+
+
 def test_exl3_head_and_configs(full):
     dest, spec, _ = full
     cfg = json.loads((dest / "exl3" / "config.json").read_text())
