@@ -48,6 +48,14 @@ def variant(text: str) -> tuple[str, list[str]]:
     return name.strip(), shlex.split(args)
 
 
+def request_model(name: str, args: list[str]) -> str:
+    """What a variant's requests name: the adapter of its ``--lora-modules A=PATH`` (so that every request of a LoRA
+    variant goes through the adapter), else the variant (its --served-model-name)."""
+    if "--lora-modules" in args and args.index("--lora-modules") + 1 < len(args):
+        return args[args.index("--lora-modules") + 1].split("=")[0]
+    return name
+
+
 def variant_env(text: str) -> tuple[str, dict]:
     name, sep, pairs = text.partition("=")
     env = dict(pair.partition("=")[::2] for pair in shlex.split(pairs))
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     def measure(server, n: int, seed: int) -> dict:
         if isinstance(server, Exl3Worker):  # the same prompts: the worker draws prompts(n, prompt, vocab, seed)
             return server.level(n, seed, args.output)
-        return asyncio.run(level(server.url, server.name, prompts(n, args.prompt, vocab, seed=seed), args.output))
+        model = request_model(server.name, server.args)
+        return asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab, seed=seed), args.output))
 
     try:
         for name, server in servers.items():
@@ -172,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 out["variants"][name]["warmup"] = servers[name].warmup()
                 continue
             url = servers[name].url
-            out["variants"][name]["warmup"] = asyncio.run(level(url, name, prompts(1, args.prompt, vocab, seed=99), 16))
-            asyncio.run(level(url, name, prompts(max(levels), args.prompt, vocab, seed=98), 16))
+            model = request_model(name, servers[name].args)
+            out["variants"][name]["warmup"] = asyncio.run(
+                level(url, model, prompts(1, args.prompt, vocab, seed=99), 16)
+            )
+            asyncio.run(level(url, model, prompts(max(levels), args.prompt, vocab, seed=98), 16))
         held = time.monotonic()
         while any(not f.exists() for f in args.hold_until) and time.monotonic() - t0 < args.deadline:
             time.sleep(2)

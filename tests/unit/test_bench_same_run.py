@@ -79,7 +79,16 @@ def engines(tmp_path, monkeypatch):
 def test_aphrodite_variants_and_exllamav3_alternate_on_the_same_prompts(engines):
     model, other, tmp = engines
     out = tmp / "run.json"
-    argv = [str(model), "--out", str(out), "--variant", "a=--foo", "--variant", "b=", "--exllamav3", "exl3"]
+    argv = [
+        str(model),
+        "--out",
+        str(out),
+        "--variant",
+        f"a=--enable-lora --lora-modules bench={tmp}",
+        "--variant",
+        "b=",
+    ]
+    argv += ["--exllamav3", "exl3"]
     argv += ["--variant-env", f"b=PATH={other}:/usr/bin:/bin", "--variant-env", "exl3=HXF_MARK=1"]
     argv += ["--concurrency", "1,3", "--repeats", "2", "--prompt", "8", "--output", "12", "--port", str(free_port())]
     argv += ["--start-timeout", "60"]
@@ -88,7 +97,10 @@ def test_aphrodite_variants_and_exllamav3_alternate_on_the_same_prompts(engines)
     v = run["variants"]
     assert all(v[n]["started"] for n in ("a", "b", "exl3"))
     assert v["a"]["kv_cache_tokens"] == 4321 and v["b"]["kv_cache_tokens"] == 1234  # b ran the other release's
-    assert v["b"]["command"][0] == str(other / "aphrodite") and "--foo" in v["a"]["command"]
+    # a's requests name its adapter
+    assert same_run.request_model("a", ["--enable-lora", "--lora-modules", "bench=/x"]) == "bench"
+    assert same_run.request_model("b", ["--lora-modules"]) == "b"
+    assert v["b"]["command"][0] == str(other / "aphrodite") and "--lora-modules" in v["a"]["command"]
     assert v["exl3"]["load_s"] == 1.5 and v["exl3"]["warmup"] == {"completed": 1}
     order = [(r["repeat"], r["concurrency"], r["variant"]) for r in run["runs"]]
     assert order == [
