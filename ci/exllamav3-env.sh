@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Source on the GPU machine (issue 9): exllamav3 1.6.5 importable without a build, from what the
 # device call carries: its wheel (.cache/wheels/exllamav3-1.6.5-py3-none-any.whl, from `make
-# install`), the extension ci/exllamav3-build.py built (.cache/exllamav3-ext/exllamav3_ext.so.gz),
-# and the pure-Python dependencies the GPU image lacks (.whl/: marisa-trie, pydantic and its parts).
+# install`), the extension (.cache/exllamav3-ext/exllamav3_ext.so.gz carried, or /tmp/exllamav3_ext.so.gz from
+# ci/exllamav3-build.sh on this machine) and the dependencies the GPU image lacks (ci/exllamav3-deps.sh).
 #   source ci/exllamav3-env.sh; python3 ci/exllamav3-oracle.py read WORK
 EXL3_ROOT="${EXL3_ROOT:-/tmp/exl3}"
 mkdir -p "$EXL3_ROOT/bin" "$EXL3_ROOT/src" "$EXL3_ROOT/site"
-[ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] || gunzip -c .cache/exllamav3-ext/exllamav3_ext.so.gz > "$EXL3_ROOT/bin/exllamav3_ext.so"
+# the extension: carried (.cache/exllamav3-ext/), else built on this machine by ci/exllamav3-build.sh
+EXL3_EXT_GZ=.cache/exllamav3-ext/exllamav3_ext.so.gz; [ -e "$EXL3_EXT_GZ" ] || EXL3_EXT_GZ=/tmp/exllamav3_ext.so.gz
+[ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] || gunzip -c "$EXL3_EXT_GZ" > "$EXL3_ROOT/bin/exllamav3_ext.so"
 [ -e "$EXL3_ROOT/src/exllamav3" ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
   .cache/wheels/exllamav3-1.6.5-py3-none-any.whl "$EXL3_ROOT/src"
-[ -e "$EXL3_ROOT/site/.ok" ] || { python3 -m pip install -q --no-index --no-deps --target "$EXL3_ROOT/site" .whl/*.whl && touch "$EXL3_ROOT/site/.ok"; }
+# its pure-Python dependencies the image lacks: ci/exllamav3-deps.sh's wheels (runs 12-14 carried them as .whl/)
+[ -e "$EXL3_ROOT/site/.ok" ] || { python3 -m pip install -q --no-index --no-deps --target "$EXL3_ROOT/site" \
+  $(ls .cache/exllamav3-deps/*.whl .whl/*.whl 2>/dev/null) && touch "$EXL3_ROOT/site/.ok"; }
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$EXL3_ROOT/bin:$EXL3_ROOT/src:$EXL3_ROOT/site"

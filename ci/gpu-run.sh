@@ -22,6 +22,15 @@
 #                          do not share the GPU with the measured levels (the engines start and warm meanwhile);
 #                          no level starts after HXF_SD_DEADLINE seconds (default HXF_STAGE_SECONDS, which also caps
 #                          the suites), so a suite cut at its cap still leaves the levels their time
+#   compare:PRESET         bench/same_run.py on one full-depth checkpoint (issues 31, 32): each release staged here
+#                          (0.24.1 in /tmp/devsite24, 0.21.0 in /tmp/devsite) without and with the preset's lora-mlp,
+#                          and exllamav3's generator (ci/exllamav3-env.sh; it waits up to HXF_CMP_EXT_WAIT seconds,
+#                          default 900, for ci/exllamav3-build.sh's extension), started at once, levels alternated:
+#                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
+#                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
+#                          subset of 0.24,0.24-lora,0.21,0.21-lora,exllamav3). Memory: each variant holds the weights
+#                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
+#                          35B-A3B variants do not fit one H200
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
 # Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
 # per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
@@ -70,6 +79,45 @@ state_dtype() {  # PRESET
     --variant "float32-state=$common" --variant "bf16-state=$common --mamba-ssm-cache-dtype bfloat16"
 }
 
+compare() {  # PRESET
+  local name=$1 bits=() m levels=${HXF_CMP_LEVELS:-1,8,32,64} kv=${HXF_CMP_KV_BYTES:-$((12 << 30))} args=()
+  [ -z "${HXF_CMP_BITS:-}" ] || bits=(--bits "$HXF_CMP_BITS")
+  m="/tmp/hxf-models/$name${HXF_CMP_BITS:+-${HXF_CMP_BITS}bit}"
+  mk "$m" --preset "$name" "${bits[@]}"
+  mkdir -p "$ROOT/compare"
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/compare'), '$(basename "$m")/exl3')"
+  local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${levels##*,} --gdn-prefill-backend triton --language-model-only"
+  local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
+  local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel site pypath target
+  has() { case "$want" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+  for rel in 0.24 0.21; do
+    case "$rel" in
+      0.24) site=/tmp/devsite24 pypath=/tmp/devsite24/site:/tmp/devsite24/torch target=/tmp/devsite24/site ;;
+      0.21) site=/tmp/devsite pypath=/tmp/devsite target=/tmp/devsite ;;
+    esac
+    [ -d "$target/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
+    [ "$target" = "$TARGET" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$target" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+    local env="PYTHONPATH=$pypath PATH=$site/bin:$PATH"
+    has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
+    has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$common $lora" --variant-env "aphrodite-$rel-lora=$env")
+  done
+  if has exllamav3; then
+    local waited=0
+    until [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ] || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do
+      sleep 10; waited=$((waited + 10))
+    done
+    if [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; then
+      local x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
+      args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3")
+    else
+      echo "compare: no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh); exllamav3 is left out"
+    fi
+  fi
+  [ ${#args[@]} -gt 0 ] || { echo "compare: no variant to run"; return 2; }
+  python3 bench/same_run.py "$m/exl3" --out "$ROOT/compare/$(basename "$m").json" --port $((8500 + PORTS)) \
+    --concurrency "$levels" --repeats "${HXF_CMP_REPEATS:-3}" --deadline "${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${args[@]}"
+}
+
 fulldepth() {  # PRESETS
   HXF_SITE="$SITE" HXF_PYTHONPATH="$PYPATH" HXF_FD_OUT="$ROOT/fulldepth" HXF_FD_NO_INSTALL=1 \
     HXF_PRESETS="${1//,/ }" HXF_FD_SECONDS="${HXF_STAGE_SECONDS:-1500}" bash ci/stages/fulldepth.sh
@@ -92,11 +140,7 @@ serving() {
 }
 
 exllamav3_build() {
-  local wheel=.cache/wheels/exllamav3-1.6.5-py3-none-any.whl so
-  [ -e "$wheel" ] || { echo "gpu-run: exllamav3-build needs $wheel (carry it)"; return 2; }
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/exl3-ext nice -n 19 python3 ci/exllamav3-build.py "$wheel" || return 1
-  so=$(find /tmp/exl3-ext -name 'exllamav3_ext*.so' | head -1)
-  gzip -c "$so" > "$ROOT/exllamav3_ext.so.gz"
+  bash ci/exllamav3-build.sh && cp /tmp/exllamav3_ext.so.gz "$ROOT/exllamav3_ext.so.gz"
 }
 
 i=0
@@ -108,6 +152,7 @@ for stage in "$@"; do
     moe) suite moe tests/gpu/test_moe_server.py "$arg" 100 ;;
     upstream) suite upstream tests/upstream "" 200 ;;
     state-dtype) state_dtype "$arg" ;;
+    compare) compare "${arg:-qwen3.6-35b-a3b-full}" ;;
     fulldepth) fulldepth "${arg:-qwen3.6-27b-full}" ;;
     cal) cal "$arg" ;;
     serving) serving ;;
