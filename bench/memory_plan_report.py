@@ -299,6 +299,10 @@ def evaluate(row: dict) -> dict:
             "kv_cache_tokens": cap["kv_cache_tokens"],
             "max_concurrency": cap["max_concurrency"],
         }
+    if row["kind"] == "pool":  # issue 34: the plan's range from its terms' bounds (overlay/membounds.py)
+        u = plan["uncertainty"]
+        result["available_kv_gib range"] = f"{u['pool_gib'][0]:.2f}-{u['pool_gib'][1]:.2f}"
+        result["kv_cache_tokens range"] = f"{u['kv_cache_tokens'][0]:,}-{u['kv_cache_tokens'][1]:,}"
     for key, predicted in pairs.items():
         result[f"{key} predicted"] = predicted
         result[f"{key} logged"] = got.get(key)
@@ -320,6 +324,9 @@ def markdown(results: list[dict]) -> str:
         "0.23.0+ turn prefix caching on by default, which holds two state blocks per request and state group",
         "(docs/upstream/hybrid-prefix-caching-state-blocks.md).",
         "",
+        "Planned range (issue 34): the pool and tokens at both ends of the plan's terms' bounds (overlay/membounds.py:",
+        "each bound rests on these rows or on a source it names), as doctor prints them.",
+        "",
     ]
     for kind, keys in (
         (
@@ -333,8 +340,10 @@ def markdown(results: list[dict]) -> str:
             continue
         lines.append("## Whole plan (the engine profiled)" if kind == "pool" else "## KV layout (pool pinned)")
         lines.append("")
-        lines.append("| configuration | " + " | ".join(f"{k} predicted / logged (ratio)" for k in keys) + " |")
-        lines.append("|---|" + "---|" * len(keys))
+        ranges = ["available_kv_gib", "kv_cache_tokens"] if kind == "pool" else []
+        head = [f"{k} predicted / logged (ratio)" for k in keys] + [f"{k} planned range" for k in ranges]
+        lines.append("| configuration | " + " | ".join(head) + " |")
+        lines.append("|---|" + "---|" * len(head))
         for r in chosen:
             cells = []
             for k in keys:
@@ -342,6 +351,7 @@ def markdown(results: list[dict]) -> str:
                 cells.append(
                     "-" if p is None else f"{p:,} / {'n/a' if g is None else f'{g:,}'}" + (f" ({q})" if q else "")
                 )
+            cells += [r.get(f"{k} range", "-") for k in ranges]
             lines.append(f"| {r['configuration']} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import membounds
+
 GIB = 1 << 30
 MIB = 1 << 20
 BIG_GPU_GIB = 70  # get_batch_defaults: >= 70 GiB (and not an A100) gets the large batch defaults
@@ -342,12 +344,16 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         ),
         "activation_peak": term(peak, peak_formula, "code, checked on one H200 start"),
         "non_torch": term(
-            NON_TORCH,
-            "cuBLAS / Triton workspaces at TP 1 on an H200; NCCL buffers at TP > 1 come on top (not measured)",
-            "measured (GPU-dependent)",
+            NON_TORCH, "cuBLAS / Triton workspaces at TP 1 on an H200 (NCCL's below)", "measured (GPU-dependent)"
         ),
         "cudagraphs": term(graphs, graphs_formula, "code structure, measured per-graph costs"),
     }
+    if eng.tp > 1:  # membounds.py: allocated by NCCL during the profiling run, in GPU memory over P2P / NVLink
+        terms["nccl_buffers"] = term(
+            0,
+            "NCCL connection buffers: channels x 2 connections x 9.19 MiB, the channel count unknown here",
+            "bound (not measured)",
+        )
     if not eng.language_model_only and shape.vision:
         # the encoder cache of the profiling run: the encoder budget of image tokens at the output width
         budget = eng.max_num_batched_tokens
@@ -384,5 +390,6 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         "available_kv_gib": round(available / GIB, 2),
         "layout": layout,
         "capacity": capacity,
+        "uncertainty": membounds.pool_range(terms, available, layout, eng.max_model_len, eng.gpu_gib, kv_capacity),
         "pin_kv_cache_memory": max(0, available - REDUNDANCY),
     }

@@ -219,14 +219,25 @@ def render(report: Report) -> str:
             )
         if "kv_pool_bytes" in p:
             lines.append(f"  engine              {p['engine']['defaults']}")
+            u = p["uncertainty"]
             for name, t in p["terms"].items():
                 sign = "" if name == "requested" else "- "
-                lines.append(f"  {sign + name:<19} {t['gib']:>7.3f} GiB = {t['formula']} [{t['basis']}]")
+                b = u["terms"].get(name, {})
+                bounded = f"; -{b['low'] / GIB:.3f}/+{b['high'] / GIB:.3f} GiB: {b['why']}" if b.get("high") else ""
+                lines.append(f"  {sign + name:<19} {t['gib']:>7.3f} GiB = {t['formula']} [{t['basis']}{bounded}]")
             lines.append(f"  = KV pool           {p['kv_pool_bytes'] / GIB:7.3f} GiB per GPU")
+            lines.append(
+                f"  pool range          {u['pool_gib'][0]:.3f} - {u['pool_gib'][1]:.3f} GiB (the bounds above: pool "
+                f"-{u['pool_minus_bytes'] / GIB:.3f} / +{u['pool_plus_bytes'] / GIB:.3f} GiB)"
+            )
             lines.append(f"  KV layout           {p['layout']['formula']}")
             lines.append(
                 f"  capacity            {p['kv_cache_tokens']:,} tokens, concurrency {p['max_concurrency']:.2f}x at "
                 f"{p['context']:,} tokens = {p['concurrency_formula']}"
+            )
+            lines.append(
+                f"  capacity range      {u['kv_cache_tokens'][0]:,} - {u['kv_cache_tokens'][1]:,} tokens, concurrency "
+                f"{u['max_concurrency'][0]:.2f} - {u['max_concurrency'][1]:.2f}x (the pool range above)"
             )
             lines.append(
                 f"  pin after a start   --kv-cache-memory {p['pin_kv_cache_memory']:,} (this plan's pool less the "

@@ -84,6 +84,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
     engine = memplan.plan(shape, tensors, eng, exl3=bool(exl3_weights))
     cap = engine["capacity"]
     pool = engine["available_kv_bytes"]
+    u = engine["uncertainty"]
     plan.update(
         {
             "engine": engine["engine"],
@@ -103,6 +104,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             "replicas": max(1, gpus // eng.tp),
             "pool_formula": "requested - " + " - ".join(k for k in engine["terms"] if k != "requested"),
             "concurrency_formula": cap["formula"],
+            "uncertainty": u,
         }
     )
     context = eng.max_model_len
@@ -137,8 +139,9 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         report.add(
             "OK",
             "memory",
-            f"KV pool {pool / GIB:.2f} GiB per GPU: {cap['kv_cache_tokens']:,} tokens, concurrency "
-            f"{cap['max_concurrency']:.2f}x at {context:,} tokens; after the first start pin the engine's own "
-            "figure with --kv-cache-memory (it skips profiling and survives other processes' memory)",
+            f"KV pool {pool / GIB:.2f} GiB per GPU ({u['pool_gib'][0]:.2f}-{u['pool_gib'][1]:.2f} within the terms' "
+            f"bounds): {cap['kv_cache_tokens']:,} tokens, concurrency {cap['max_concurrency']:.2f}x at {context:,} "
+            f"tokens ({u['max_concurrency'][0]:.2f}-{u['max_concurrency'][1]:.2f}x); after the first start pin the "
+            "engine's own figure with --kv-cache-memory (it skips profiling and survives other processes' memory)",
         )
     return plan

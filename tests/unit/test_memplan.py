@@ -193,3 +193,42 @@ def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["doctor", str(tmp_path), "--release", bad])
     assert exc.value.code == 2 and "is not a release number like 0.24.1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["kind"] == "pool"], ids=lambda r: r["name"])
+def test_every_logged_pool_lies_in_the_plans_range(row):
+    """Issue 34: the plan's uncertainty (the sum of its terms' bounds, overlay/membounds.py) covers the engine's
+    own figure on every profiled row, and contains the plan's point estimate."""
+    from hybrid_exl3_fixes import memplan
+
+    shape = report.shape_of(row["config"])
+    plan = memplan.plan(shape, row["tensors"], row["engine"], any(n.endswith(".trellis") for n in row["tensors"]))
+    u, got = plan["uncertainty"], report.logged(row["text"])
+    assert u["pool_bytes"][0] <= plan["available_kv_bytes"] <= u["pool_bytes"][1]
+    assert u["pool_gib"][0] - 0.01 <= got["available_kv_gib"] <= u["pool_gib"][1] + 0.01, (u["pool_gib"], got)
+    assert u["kv_cache_tokens"][0] <= got["kv_cache_tokens"] <= u["kv_cache_tokens"][1]
+
+
+def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_range(tmp_path, capsys):
+    from hybrid_exl3_fixes import membounds
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    plans = {}
+    for tp in (1, 2):
+        args = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--language-model-only", "--gpu-mem", "80"]
+        main([*args, "--tp", str(tp), "--gpus", str(tp)])
+        plans[tp] = json.loads(capsys.readouterr().out)["plan"]
+    one, two = plans[1]["uncertainty"], plans[2]["uncertainty"]
+    assert "nccl_buffers" not in plans[1]["terms"] and plans[2]["terms"]["nccl_buffers"]["bytes"] == 0
+    # NCCL 2.30.7 src/init.cc: LL 512 KiB + LL128 4,915,200 B + SIMPLE 4 MiB per connection
+    assert membounds.NCCL_BUFFERS_PER_CONNECTION == 9_633_792
+    assert two["terms"]["nccl_buffers"]["high"] == 16 * 2 * 9_633_792
+    assert (
+        two["pool_minus_bytes"] >= sum(t["high"] for t in two["terms"].values()) > two["terms"]["nccl_buffers"]["high"]
+    )
+    assert one["max_concurrency"][0] <= plans[1]["max_concurrency"] <= one["max_concurrency"][1]
+    main(["doctor", str(tmp_path / "t" / "exl3"), "--language-model-only", "--gpu-mem", "80", "--tp", "2"])
+    text = capsys.readouterr().out
+    assert "  pool range " in text and "  capacity range " in text and "within the terms' bounds" in text
