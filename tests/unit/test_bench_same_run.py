@@ -21,39 +21,18 @@ from test_bench_fulldepth import STREAMING_APHRODITE  # noqa: E402
 
 FAKE_GENERATOR_SCRIPT = textwrap.dedent("""\
     # stand-in for bench/exllamav3_generator.py --serve (fake input: the generator); serve() is the real one
-    import json, sys, time
-    sys.path.insert(0, {bench!r})
+    import json, sys
+    sys.path[:0] = [{bench!r}, {unit!r}, {tests!r}]
     import exllamav3_generator as real
+    from test_bench_fulldepth import _Generator, _Job
 
     class Torch:
         tensor = staticmethod(lambda x: x)
 
-    class Job:
-        def __init__(self, input_ids, max_new_tokens, sampler, stop_conditions, identifier):
-            self.max_new_tokens, self.identifier, self.ids = max_new_tokens, identifier, input_ids
-
-    class Generator:
-        def __init__(self):
-            self.queue = []
-        def enqueue(self, job):
-            self.queue.append([job, 0])
-        def num_remaining_jobs(self):
-            return len(self.queue)
-        def iterate(self):
-            time.sleep(0.002)
-            out = []
-            for e in self.queue:
-                e[1] += 1
-                eos = e[1] == e[0].max_new_tokens
-                out.append({{"stage": "streaming", "eos": eos, "identifier": e[0].identifier,
-                             "new_tokens": e[1], "time_enqueued": 0, "time_prefill": 0, "time_generate": 1}})
-            self.queue = [e for e in self.queue if e[1] < e[0].max_new_tokens]
-            return out
-
     args = sys.argv[1:]
-    prompt = int(args[args.index("--prompt") + 1])
+    prompt, output = (int(args[args.index(k) + 1]) for k in ("--prompt", "--output"))
     print("READY " + json.dumps({{"load_s": 1.5, "warmup_s": 2.5, "warmup": {{"completed": 1}}}}), flush=True)
-    real.serve(Generator(), Job, None, 5000, prompt, Torch)
+    real.serve(_Generator(output), _Job, None, 5000, prompt, Torch)
 """)
 
 
@@ -68,7 +47,10 @@ def engines(tmp_path, monkeypatch):
     (other / "aphrodite").chmod(0o755 | stat.S_IEXEC)
     fake_bench = tmp_path / "fake-bench"
     fake_bench.mkdir()
-    (fake_bench / "exllamav3_generator.py").write_text(FAKE_GENERATOR_SCRIPT.format(bench=str(ROOT / "bench")))
+    script = FAKE_GENERATOR_SCRIPT.format(
+        bench=str(ROOT / "bench"), unit=str(ROOT / "tests" / "unit"), tests=str(ROOT / "tests")
+    )
+    (fake_bench / "exllamav3_generator.py").write_text(script)
     monkeypatch.setattr(exl3_worker, "BENCH", fake_bench)
     model = tmp_path / "model"
     model.mkdir()
