@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -138,8 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = ["--served-model-name", name, "--max-model-len", str(args.prompt + args.output + 64), *extra]
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
         env = envs.get(name, {})
-        exe = shutil.which("aphrodite", path=env["PATH"]) if "PATH" in env else None
-        servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log, env=env, exe=[exe] if exe else [])
+        exe = []
+        if "PATH" in env:  # the console script in its PATH's first folder (a staged release's bin/), else the entry
+            # point under the variant's own PYTHONPATH; never one further down that PATH, which may be another
+            # release's (`pip install --target SITE` replaces SITE/bin, the staged 0.21.0's wrapper with it)
+            found = shutil.which("aphrodite", path=env["PATH"].split(os.pathsep)[0])
+            exe = [found] if found else [sys.executable, "-m", "aphrodite.entrypoints.cli.main"]
+        servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log, env=env, exe=exe)
         servers[name].start()
     for name in args.exllamav3:
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
