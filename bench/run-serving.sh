@@ -14,7 +14,7 @@ OUT="${OUT:-$PWD/out}" SITE="${HXF_SITE:?folder holding aphrodite}" WORK="${HXF_
 mkdir -p "$OUT" "$WORK/models"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PYTHONPATH="$SITE"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hxf-triton-cache}"
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+bash ci/site-install.sh "$SITE"
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   for cb in ${HXF_CODEBOOKS:-mcg mixed 3inst mul1}; do

@@ -52,8 +52,7 @@ if ls .cache/compile-caches/caches-* > /dev/null 2>&1; then  # carried: ci/devic
   cat .cache/compile-caches/caches-* | tar xzf - -C / 2>/dev/null
   echo "== compile caches restored from $(ls .cache/compile-caches/caches-* | wc -l) parts (docs/development.md)"
 fi
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$TARGET" . 2>&1 \
-  | grep -v "^WARNING: Target" | tail -3
+bash ci/site-install.sh "$TARGET"
 echo "== $(date -u +%FT%TZ) $REL: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__)' 2>&1 | tail -1)"
 python3 -m hybrid_exl3_fixes.cli status > "$ROOT/status.txt" 2>&1
 
@@ -96,7 +95,7 @@ compare() {  # PRESET
       0.21) site=/tmp/devsite pypath=/tmp/devsite target=/tmp/devsite ;;
     esac
     [ -d "$target/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
-    [ "$target" = "$TARGET" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$target" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+    [ "$target" = "$TARGET" ] || bash ci/site-install.sh "$target"
     local env="PYTHONPATH=$pypath PATH=$site/bin:$PATH"
     has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
     has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$common $lora" --variant-env "aphrodite-$rel-lora=$env")

@@ -15,7 +15,7 @@ export HXF_GPU_WORK="${HXF_GPU_WORK:-/tmp/hxf-gpu}" HXF_GPU_RESULTS="$OUT/gpu-re
 # that caches carried from an earlier run (ci/gpu-run.sh restores them) spare the cold start
 mkdir -p "$HXF_GPU_WORK"; find "$HXF_GPU_WORK" -mindepth 1 -maxdepth 1 ! -name aphrodite-cache -exec rm -rf {} +
 if [ -n "$SITE" ]; then
-  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+  bash ci/site-install.sh "$SITE"
   export PYTHONPATH="$SITE"
 fi
 {

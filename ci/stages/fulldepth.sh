@@ -27,7 +27,7 @@ mkdir -p "$OUT" "$MODELS"
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="${HXF_PYTHONPATH:-$SITE}"
 # HXF_FD_NO_INSTALL=1: the caller has installed this project (ci/gpu-run.sh: reinstalling it while another stage
 # imports it would race)
-[ -n "${HXF_FD_NO_INSTALL:-}" ] || python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . 2>&1 | grep -v "^WARNING: Target" | tail -3
+[ -n "${HXF_FD_NO_INSTALL:-}" ] || bash ci/site-install.sh "$SITE"
 left() { echo $((BUDGET - SECONDS)); }
 KINDS="${HXF_FD_KINDS:-base exllamav3 lora}"
 wanted() { case " $KINDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
