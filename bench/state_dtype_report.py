@@ -9,7 +9,7 @@ config and tensor list (memory_calibration.save_inputs); BANDWIDTH.json: ``bench
 GPU kind. Writes ``state_dtype.csv``, ``state_dtype.md`` and ``state_dtype.png``: per variant and concurrency the
 median and spread (min-max over the repeats) of decode tok/s and per-request tok/s by same_run's one formula, the
 time to first token, the memory roofline of a step with that state dtype, and each variant's KV pool as its engine
-logged it. A variant named ``bf16-state`` is the bfloat16 override; every other keeps the config's dtype.
+logged it. A variant's state dtype is the ``--mamba-ssm-cache-dtype`` in its command, else the config's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-OVERRIDES = {"bf16-state": "bfloat16"}  # variant name -> --mamba-ssm-cache-dtype it was started with
+FLAG = "--mamba-ssm-cache-dtype"
+
+
+def ssm_override(command: list[str]) -> str | None:
+    """The state dtype a variant was started with, when its command names one."""
+    return command[command.index(FLAG) + 1] if FLAG in command[:-1] else None
 
 
 def spread(stat: dict | None) -> str:
@@ -44,8 +49,9 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
     out = []
     for name, levels in run["summary"].items():
         shape = copy.copy(base)
-        if name in OVERRIDES:
-            shape.ssm_dtype, shape.ssm_source = OVERRIDES[name], "--mamba-ssm-cache-dtype"
+        override = ssm_override(run["variants"][name]["command"])
+        if override:
+            shape.ssm_dtype, shape.ssm_source = override, FLAG
         ns = sorted(int(n) for n in levels)
         roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, 512, 256)}
         first = {r["concurrency"]: r for r in run["runs"] if r["variant"] == name and r["repeat"] == 0}
@@ -89,8 +95,8 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     ]
     for name in variants:
         v = run["variants"][name]
-        extra = [a for a in v["command"] if a.startswith("--mamba-ssm")]
-        flag = "--mamba-ssm-cache-dtype bfloat16" if extra else "the config's mamba_ssm_dtype"
+        override = ssm_override(v["command"])
+        flag = f"{FLAG} {override}" if override else "the config's mamba_ssm_dtype"
         block, tokens = (
             int(v[k]) if v.get(k) is not None else None for k in ("attention_block_size", "kv_cache_tokens")
         )
@@ -144,11 +150,12 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
             f"| {r['state_gb_per_step']} | {r['roofline_tok_s']} | {r['over_roofline']} |"
         )
     by = {(r["variant"], r["concurrency"]): r for r in table}
-    if len(variants) == 2 and "bf16-state" in variants:
-        other = next(v for v in variants if v != "bf16-state")
-        md += ["", f"bfloat16 / {other} (medians):", ""]
+    overridden = [v for v in variants if ssm_override(run["variants"][v]["command"])]
+    if len(variants) == 2 and len(overridden) == 1:
+        (named,), (other,) = overridden, [v for v in variants if v not in overridden]
+        md += ["", f"{ssm_override(run['variants'][named]['command'])} / {other} (medians):", ""]
         for n in sorted({r["concurrency"] for r in table}):
-            a, b = by.get(("bf16-state", n)), by.get((other, n))
+            a, b = by.get((named, n)), by.get((other, n))
             if a and b:
                 md.append(
                     f"- N = {n}: per-request {a['per_request_tok_s'] / b['per_request_tok_s']:.3f}, decode "
