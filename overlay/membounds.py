@@ -23,7 +23,6 @@ from __future__ import annotations
 
 GIB = 1 << 30
 MIB = 1 << 20
-BIG_GPU_GIB = 70  # memplan.BIG_GPU_GIB: below it the plan has no measured row
 
 NCCL_BUFFERS_PER_CONNECTION = 512 * 1024 + 4_915_200 + 4 * MIB  # LL + LL128 + SIMPLE: 9.19 MiB
 NCCL_CONNECTIONS_PER_CHANNEL = 2  # a ring channel: send and receive
@@ -34,8 +33,9 @@ def nccl_bound() -> int:
     return NCCL_CHANNELS_BOUND * NCCL_CONNECTIONS_PER_CHANNEL * NCCL_BUFFERS_PER_CONNECTION
 
 
-def bound(name: str, value: int, gpu_gib: float) -> dict:
-    """``low``, ``high`` and ``why`` of one term of ``value`` bytes."""
+def bound(name: str, value: int, big_gpu: bool) -> dict:
+    """``low``, ``high`` and ``why`` of one term of ``value`` bytes; ``big_gpu``: the plan's GPU is of the H200 rows'
+    size class (memplan.BIG_GPU_GIB or more), below which non-torch memory was never measured."""
 
     def b(low: int, high: int, why: str) -> dict:
         return {"low": int(low), "high": int(high), "why": why}
@@ -50,7 +50,7 @@ def bound(name: str, value: int, gpu_gib: float) -> dict:
             "CUDA-graph term (22 % of this one)",
         )
     if name == "non_torch":
-        if gpu_gib >= BIG_GPU_GIB:
+        if big_gpu:
             return b(0.02 * GIB, 0.01 * GIB, "0.25-0.28 GiB on every H200 row (TP 1)")
         return b(value // 2, value, "not measured on a GPU under 70 GiB: half to twice the H200's 0.27 GiB")
     if name == "cudagraphs":
@@ -67,10 +67,10 @@ def bound(name: str, value: int, gpu_gib: float) -> dict:
     return b(0, 0, "restated from aphrodite's code")
 
 
-def pool_range(terms: dict, available: int, layout: dict, max_model_len: int, gpu_gib: float, capacity) -> dict:
+def pool_range(terms: dict, available: int, layout: dict, max_model_len: int, big_gpu: bool, capacity) -> dict:
     """The bounds of every term, their sums, and the pool, tokens and concurrency at both ends.
     ``capacity`` is memplan.kv_capacity."""
-    bounds = {name: bound(name, t["bytes"], gpu_gib) for name, t in terms.items() if name != "requested"}
+    bounds = {name: bound(name, t["bytes"], big_gpu) for name, t in terms.items() if name != "requested"}
     low = sum(x["low"] for x in bounds.values())  # the terms may be this much smaller: the pool larger
     high = sum(x["high"] for x in bounds.values())
     ends = [max(0, available - high), max(0, available + low)]

@@ -390,6 +390,8 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         "available_kv_gib": round(available / GIB, 2),
         "layout": layout,
         "capacity": capacity,
-        "uncertainty": membounds.pool_range(terms, available, layout, eng.max_model_len, eng.gpu_gib, kv_capacity),
+        "uncertainty": membounds.pool_range(
+            terms, available, layout, eng.max_model_len, eng.gpu_gib >= BIG_GPU_GIB, kv_capacity
+        ),
         "pin_kv_cache_memory": max(0, available - REDUNDANCY),
     }
