@@ -102,10 +102,9 @@ compare() {  # PRESET
   done
   if has exllamav3; then
     local waited=0
-    until [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ] || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do
-      sleep 10; waited=$((waited + 10))
-    done
-    if [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; then
+    ext() { [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; }  # exllamav3-env.sh's two
+    until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
+    if ext; then
       local x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
       args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3")
     else
