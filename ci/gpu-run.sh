@@ -65,11 +65,15 @@ mk() {  # DIR MAKE-TINY-ARGS...: write the checkpoint unless a finished one is t
   [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"
 }
 
+inputs() {  # CHECKPOINT OUT: the checkpoint's config and tensor list as doctor reads them (memory_calibration.save_inputs)
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path(sys.argv[1]).parent, Path(sys.argv[2]), Path(sys.argv[1]).name + '/exl3')" "$1" "$2"
+}
+
 state_dtype() {  # PRESET
   local m="/tmp/hxf-models/$1" kv="${HXF_SD_KV_BYTES:-$((28 << 30))}" seqs="${HXF_SD_SEQS:-128}"
   mk "$m" --preset "$1"
   mkdir -p "$ROOT/state-dtype"
-  python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/state-dtype'), '$1/exl3')"
+  inputs "$m" "$ROOT/state-dtype"
   local after=() s
   for s in ${HXF_SD_AFTER:+${HXF_SD_AFTER//,/ }}; do after+=(--hold-until "$ROOT/$s.done"); done
   local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
@@ -84,7 +88,7 @@ compare() {  # PRESET
   m="/tmp/hxf-models/$name${HXF_CMP_BITS:+-${HXF_CMP_BITS}bit}"
   mk "$m" --preset "$name" "${bits[@]}"
   mkdir -p "$ROOT/compare"
-  python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path('/tmp/hxf-models'), Path('$ROOT/compare'), '$(basename "$m")/exl3')"
+  inputs "$m" "$ROOT/compare"
   local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${levels##*,} --gdn-prefill-backend triton --language-model-only"
   local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
   local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel site pypath target
