@@ -91,8 +91,8 @@ def run_level(generator, Job, sampler, ids: list[list[int]], output: int, torch)
         "per_request_tok_s": round(statistics.mean(decode), 1) if decode else None,
         "ttft_mean_s": round(statistics.mean(ttft), 3) if ttft else None,
         "ttft_max_s": round(max(ttft), 3) if ttft else None,
-        # earlier runs' formula (runs 12-14): N x output / (wall - the slowest first token), which counts the tokens
-        # made before the slowest first token without their time
+        # exllamav3's own formula, which bench/results/fulldepth.md's exllamav3 rows used: N x output / (wall - the
+        # slowest first token); it counts the tokens made before the slowest first token without their time
         "exl3_decode_tok_s": round(new_tokens / exl3_decode_wall, 1) if exl3_decode_wall > 0 else None,
         "exl3_per_request_tok_s": round(statistics.mean(exl3_per_request), 1) if exl3_per_request else None,
         "exl3_ttft_mean_s": round(statistics.mean(exl3_ttft), 3) if exl3_ttft else None,

@@ -11,7 +11,7 @@ EXL3_EXT_GZ=.cache/exllamav3-ext/exllamav3_ext.so.gz; [ -e "$EXL3_EXT_GZ" ] || E
 [ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] || gunzip -c "$EXL3_EXT_GZ" > "$EXL3_ROOT/bin/exllamav3_ext.so"
 [ -e "$EXL3_ROOT/src/exllamav3" ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
   .cache/wheels/exllamav3-1.6.5-py3-none-any.whl "$EXL3_ROOT/src"
-# its pure-Python dependencies the image lacks: ci/exllamav3-deps.sh's wheels (runs 12-14 carried them as .whl/)
+# its pure-Python dependencies the image lacks: ci/exllamav3-deps.sh's wheels (or a carried .whl/ folder)
 [ -e "$EXL3_ROOT/site/.ok" ] || { python3 -m pip install -q --no-index --no-deps --target "$EXL3_ROOT/site" \
   $(ls .cache/exllamav3-deps/*.whl .whl/*.whl 2>/dev/null) && touch "$EXL3_ROOT/site/.ok"; }
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$EXL3_ROOT/bin:$EXL3_ROOT/src:$EXL3_ROOT/site"

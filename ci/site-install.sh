@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install this project into a staged aphrodite site: bash ci/site-install.sh TARGET (from the project root).
 # `pip install --target` replaces every top-level folder of TARGET that the project also ships, bin/ among them,
-# and with it the staged release's `aphrodite` console script (ci/stage-0.21.sh writes /tmp/devsite/bin/aphrodite):
-# the servers of runs 10-14 on 0.21.0 ran as `python3 -m aphrodite.entrypoints.cli.main run`, the script's own
-# entry point, for that reason. The script is kept aside and put back.
+# and with it the staged release's `aphrodite` console script (ci/stage-0.21.sh writes /tmp/devsite/bin/aphrodite),
+# after which tests/gpu/server.py falls back to `python3 -m aphrodite.entrypoints.cli.main` (docs/gpu-results.md,
+# sixteenth session). The script is kept aside and put back.
 set -uo pipefail
 target=${1:?usage: ci/site-install.sh TARGET}
 saved=""

@@ -49,8 +49,8 @@ DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0'
       'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor 'anthropic>=0.71' 'mcp>=2,<3'
       uvicorn httptools websockets python-multipart email-validator dnspython pydantic-extra-types)
 # nvidia-cutlass-dsl[cu13]==4.6.2 (aphrodite 0.24.1's METADATA pin): FlashInfer's GDN prefill kernel, the engine's
-# default --gdn-prefill-backend on SM90, imports `cutlass` at its first prefill (run 19, 2026-12-03: without it
-# `ModuleNotFoundError: No module named 'cutlass'` stopped the engine in its warm-up). Its CUDA Python bindings
+# default --gdn-prefill-backend on SM90, imports `cutlass` at its first prefill; without it the engine stops in its
+# warm-up with `ModuleNotFoundError: No module named 'cutlass'` (docs/gpu-results.md, sixteenth session). Its CUDA Python bindings
 # (cuda-python 13.4.4's) are installed only where the image has none (the H200 image has cuda-bindings 13.3.1,
 # cuda-core 1.2.0 and cuda-pathfinder 1.8.1 and no cutlass: checked 2026-12-03).
 CUTLASS=(nvidia-cutlass-dsl==4.6.2 nvidia-cutlass-dsl-libs-base==4.6.2 nvidia-cutlass-dsl-libs-core==4.6.2
