@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The packages exllamav3 1.6.5 imports (its METADATA) that neither the GPU image nor the staged aphrodite 0.21.0
-# site (/tmp/devsite, which the compare stage puts on exllamav3's PYTHONPATH) provides: marisa-trie. Downloaded here for the GPU
-# image's Python (cp312, manylinux x86_64) into .cache/exllamav3-deps/, which ci/exllamav3-env.sh installs; carry
-# that folder with the call that starts exllamav3.
+# site (/tmp/devsite, which the compare stage puts on exllamav3's PYTHONPATH) provides: marisa-trie. Downloaded
+# here for the GPU image's Python (cp312, manylinux x86_64) into .cache/exllamav3-deps/, which
+# ci/exllamav3-env.sh installs; carry that folder with the call that starts exllamav3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.cache/exllamav3-deps
