@@ -51,6 +51,7 @@ class Exl3Worker:
             kind, _, payload = line.rstrip("\n").partition(" ")
             if kind in ("READY", "LEVEL", "ERROR"):
                 self.lines.put((kind, payload))
+        self._log.close()  # the worker has closed its stdout: nothing more comes to this handle
         self.lines.put(("EXIT", ""))
 
     def _next(self, deadline: float) -> tuple[str, str]:
