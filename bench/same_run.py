@@ -1,14 +1,15 @@
 """Several engine configurations on one checkpoint, measured in one run, alternated level by level.
 
     python3 bench/same_run.py MODEL_DIR --out FILE.json --variant NAME="ENGINE ARGS" --variant ... \
-        [--exllamav3 NAME] [--variant-env NAME="KEY=VALUE ..."] \
+        [--exllamav3 NAME] [--variant-env NAME="KEY=VALUE ..."] [--start-after NAME=FILE] \
         [--concurrency 1,32,64,128] [--repeats 3] [--prompt 512 --output 256] [--deadline SECONDS]
 
 Every ``--variant`` is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
 its own arguments, in the environment ``--variant-env`` gives it (another release's PYTHONPATH and PATH, an overlay
 switch), and every ``--exllamav3`` variant exllamav3's generator on the same checkpoint (bench/exl3_worker.py:
-loaded, warmed up with Model.warmup and the largest batch, then asked one level at a time); all start at once, so
-each must pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small ``--gpu-memory-utilization``. Once all
+loaded, warmed up with Model.warmup and the largest batch, then asked one level at a time); all start at once (one
+named in ``--start-after NAME=FILE`` once FILE exists: exllamav3 while its extension still builds), so each must
+pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small ``--gpu-memory-utilization``. Once all
 have answered one warm-up request (and one warm-up level at the largest concurrency, so that no variant meets a
 first-use cost inside a measured level) and every ``--hold-until`` file exists (other work sharing the GPU has
 ended: the wait is kept as ``held_s``), every level is run ``--repeats`` times, the variants alternated (repeat 0:
@@ -31,6 +32,7 @@ import shlex
 import shutil
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +67,34 @@ def variant_env(text: str) -> tuple[str, dict]:
     return name.strip(), env
 
 
+def start_after(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--start-after takes NAME=FILE, got {text!r}")
+    return name.strip(), Path(path.strip())
+
+
+def held_start(server, flag: Path, until: float, cancel: threading.Event, poll: float = 2.0) -> threading.Thread:
+    """Start ``server`` once ``flag`` exists, from a thread; an empty flag starts it, one with text leaves it
+    unstarted, the text kept as ``server.held_reason``, as is the wait's end when ``until`` passes first or
+    ``cancel`` is set (the run is ending: nothing starts after its servers were stopped)."""
+
+    def run() -> None:
+        while not flag.exists() and time.monotonic() < until and not cancel.wait(poll):
+            pass
+        text = flag.read_text(errors="replace").strip() if flag.exists() else f"{flag} did not appear in time"
+        server.held_s = round(time.monotonic() - t_start, 1)
+        if text or cancel.is_set():
+            server.held_reason = text or "the run ended first"
+        else:
+            server.start()
+
+    t_start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
@@ -85,6 +115,15 @@ def parser() -> argparse.ArgumentParser:
         metavar='NAME="KEY=VALUE ..."',
         help="environment of one variant (another release's PYTHONPATH and PATH, HYBRID_EXL3_FIXES_DISABLE=P8, "
         "exllamav3's PYTHONPATH); with PATH, that PATH's aphrodite console script is run",
+    )
+    p.add_argument(
+        "--start-after",
+        type=start_after,
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="start variant NAME only once FILE exists (an extension still building), the others meanwhile; FILE "
+        "with text in it: leave NAME out, that text its reason",
     )
     p.add_argument("--concurrency", default="1,32,64,128")
     p.add_argument("--repeats", type=int, default=3)
@@ -120,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n, _ in args.variant] + args.exllamav3
     if len(set(names)) != len(names):
         parser().error(f"variant names repeat: {names}")
-    envs = dict(args.variant_env)
-    if set(envs) - set(names):
-        parser().error(f"--variant-env names no variant: {sorted(set(envs) - set(names))}")
+    envs, holds = dict(args.variant_env), dict(args.start_after)
+    for flag, given in (("--variant-env", envs), ("--start-after", holds)):
+        if set(given) - set(names):
+            parser().error(f"{flag} names no variant: {sorted(set(given) - set(names))}")
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -146,13 +186,16 @@ def main(argv: list[str] | None = None) -> int:
             found = shutil.which("aphrodite", path=env["PATH"].split(os.pathsep)[0])
             exe = [found] if found else [sys.executable, "-m", "aphrodite.entrypoints.cli.main"]
         servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log, env=env, exe=exe)
-        servers[name].start()
     for name in args.exllamav3:
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
         servers[name] = Exl3Worker(
             name, str(args.model_dir), log, envs.get(name, {}), max(levels), args.prompt, args.output
         )
-        servers[name].start()
+    cancel = threading.Event()
+    waiting = {n: held_start(servers[n], holds[n], t0 + args.start_timeout, cancel) for n in servers if n in holds}
+    for name in servers:
+        if name not in waiting:
+            servers[name].start()
     out = {"model": str(args.model_dir), "formula": __doc__.split("One formula")[1].split("The JSON")[0].strip()}
     out["prompts"] = "seeded by level_seed(concurrency, repeat): fresh per level and repeat, shared by variants"
     out["variants"] = {n: {"command": s.command} for n, s in servers.items()}
@@ -176,7 +219,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for name, server in servers.items():
-            up = server.wait_ready(max(1.0, args.start_timeout - (time.monotonic() - t0)))
+            left = lambda: max(1.0, args.start_timeout - (time.monotonic() - t0))  # noqa: E731
+            if name in waiting:  # its start waited for a file: started, or left out with the file's text
+                waiting[name].join(left())
+                out["variants"][name]["held_s"] = getattr(server, "held_s", None)
+                if waiting[name].is_alive() or getattr(server, "held_reason", None):
+                    reason = getattr(server, "held_reason", None) or f"{holds[name]} did not appear in time"
+                    out["variants"][name].update(started=False, error=f"not started: {reason}"[:800])
+                    continue
+            up = server.wait_ready(left())
             out["variants"][name].update(started=up, ready_s=server.ready_s, **server.startup_figures())
             if not up:
                 out["variants"][name]["error"] = server.root_error()[:800] or "did not start"
@@ -208,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                     save()
                     print(json.dumps(out["runs"][-1]), flush=True)
     finally:
+        cancel.set()
+        for thread in waiting.values():
+            thread.join(10)
         for server in servers.values():
             server.stop()
         save()

@@ -2,9 +2,10 @@
 # Bring one gpu-run.sh run back through $OUT (8 files, 16 MiB each, 64 MiB in all come back):
 #   bash ci/device-collect.sh RELEASE [JOB]
 # results.tgz: RESULTS (/tmp/hxf-out/RELEASE) without checkpoints, every log and JSON under the stages' work
-# folders (/tmp/hxf-gpu-RELEASE-*), the job's log; caches-NN: the compile caches this run left (aphrodite's
+# folders (/tmp/hxf-gpu-RELEASE-*), the job's log; caches.tgz.part-NN: the compile caches this run left (aphrodite's
 # torch_compile_cache, the Triton cache, FlashInfer's JIT cache), one gzipped tar split into 15 MiB parts, the
-# first five back (caches.txt lists each cache's size and the parts' count), to be carried into a later run.
+# first three back (caches.txt lists each cache's size, the parts' count and the tar's sha256; the further parts:
+# `bash ci/device-bring.sh /tmp/caches.tgz 3`), to be carried into a later run.
 set -uo pipefail
 REL=${1:?usage: ci/device-collect.sh RELEASE [JOB]} JOB=${2:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,10 +18,8 @@ tar czf "$OUT/results.tgz" -T "$list" 2>/dev/null; ls -la "$OUT/results.tgz"
 caches=$( { find / -xdev -type d \( -name torch_compile_cache -o -path '*/.cache/flashinfer' \) -prune 2>/dev/null
             ls -d "/tmp/hxf-triton-$REL" 2>/dev/null; } | sort -u)
 { for c in $caches; do du -sh "$c"; done; } > "$OUT/caches.txt"
-if [ -n "$caches" ]; then
+if [ -n "$caches" ]; then  # the first three parts here (with results.tgz, under 64 MiB); the rest by ci/device-bring.sh
   tar czf /tmp/caches.tgz $caches 2>/dev/null
-  split -b 15M -d /tmp/caches.tgz /tmp/caches-part-
-  echo "caches.tgz $(du -sh /tmp/caches.tgz | cut -f1), $(ls /tmp/caches-part-* | wc -l) parts" >> "$OUT/caches.txt"
-  ls /tmp/caches-part-* | head -5 | while read -r p; do cp "$p" "$OUT/caches-${p##*-}"; done
+  OUT="$OUT" bash ci/device-bring.sh /tmp/caches.tgz 0 3 >> "$OUT/caches.txt"
 fi
 cat "$OUT/caches.txt"

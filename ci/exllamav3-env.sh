@@ -8,7 +8,10 @@ EXL3_ROOT="${EXL3_ROOT:-/tmp/exl3}"
 mkdir -p "$EXL3_ROOT/bin" "$EXL3_ROOT/src" "$EXL3_ROOT/site"
 # the extension: carried (.cache/exllamav3-ext/), else built on this machine by ci/exllamav3-build.sh
 EXL3_EXT_GZ=.cache/exllamav3-ext/exllamav3_ext.so.gz; [ -e "$EXL3_EXT_GZ" ] || EXL3_EXT_GZ=/tmp/exllamav3_ext.so.gz
-[ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] || gunzip -c "$EXL3_EXT_GZ" > "$EXL3_ROOT/bin/exllamav3_ext.so"
+# (a missing extension is left for a later source of this file: the PYTHONPATH below is the same either way)
+if [ ! -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] && [ -e "$EXL3_EXT_GZ" ]; then
+  gunzip -c "$EXL3_EXT_GZ" > "$EXL3_ROOT/bin/exllamav3_ext.so.part" && mv "$EXL3_ROOT/bin/exllamav3_ext.so.part" "$EXL3_ROOT/bin/exllamav3_ext.so"
+fi
 [ -e "$EXL3_ROOT/src/exllamav3" ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
   .cache/wheels/exllamav3-1.6.5-py3-none-any.whl "$EXL3_ROOT/src"
 # its pure-Python dependencies the image lacks: ci/exllamav3-deps.sh's wheels (or a carried .whl/ folder)

@@ -24,8 +24,9 @@
 #                          the suites), so a suite cut at its cap still leaves the levels their time
 #   compare:PRESET         bench/same_run.py on one full-depth checkpoint (issues 31, 32): each release staged here
 #                          (0.24.1 in /tmp/devsite24, 0.21.0 in /tmp/devsite) without and with the preset's lora-mlp,
-#                          and exllamav3's generator (ci/exllamav3-env.sh; it waits up to HXF_CMP_EXT_WAIT seconds,
-#                          default 900, for ci/exllamav3-build.sh's extension), started at once, levels alternated:
+#                          and exllamav3's generator (ci/exllamav3-env.sh; started once ci/exllamav3-build.sh's
+#                          extension is there, within HXF_CMP_EXT_WAIT seconds, default 900, while the engines start
+#                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
 #                          subset of 0.24,0.24-lora,0.21,0.21-lora,exllamav3). Memory: each variant holds the weights
@@ -38,19 +39,24 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REL=${1:?usage: ci/gpu-run.sh RELEASE STAGE[:ARG] ...}; shift
-case "$REL" in
-  0.24) SITE=/tmp/devsite24; PYPATH="$SITE/site:$SITE/torch"; TARGET="$SITE/site"; PORTS=1000 ;;
-  0.21) SITE=/tmp/devsite; PYPATH="$SITE"; TARGET="$SITE"; PORTS=0 ;;
-  *) echo "gpu-run: RELEASE is 0.24 or 0.21, not $REL" >&2; exit 2 ;;
-esac
+staged() {  # RELEASE: its SITE, PYPATH (0.24: as its install call wrote it, cutlass's .pth folder in it) and TARGET
+  case "$1" in
+    0.24) SITE=/tmp/devsite24; PYPATH=$(cat "$SITE/pythonpath" 2>/dev/null || echo "$SITE/torch:$SITE/site")
+          TARGET="$SITE/site" ;;
+    0.21) SITE=/tmp/devsite; PYPATH="$SITE"; TARGET="$SITE" ;;
+    *) return 1 ;;
+  esac
+}
+staged "$REL" || { echo "gpu-run: RELEASE is 0.24 or 0.21, not $REL" >&2; exit 2; }
+PORTS=0; [ "$REL" = 0.21 ] || PORTS=1000
 ROOT="${HXF_RUN_OUT:-/tmp/hxf-out/$REL}"
 mkdir -p "$ROOT"
 [ -d "$TARGET/aphrodite" ] || { echo "gpu-run: $TARGET has no aphrodite: run the staging install call first"; exit 3; }
 export PYTHONUNBUFFERED=1 APHRODITE_NO_USAGE_STATS=1 PATH="$SITE/bin:$PATH" PYTHONPATH="$PYPATH" HXF_SITE=""
 export TRITON_CACHE_DIR="/tmp/hxf-triton-$REL" HXF_SERVER_START_TIMEOUT="${HXF_SERVER_START_TIMEOUT:-900}"
-if ls .cache/compile-caches/caches-* > /dev/null 2>&1; then  # carried: ci/device-collect.sh's parts of an earlier run
-  cat .cache/compile-caches/caches-* | tar xzf - -C / 2>/dev/null
-  echo "== compile caches restored from $(ls .cache/compile-caches/caches-* | wc -l) parts (docs/development.md)"
+if ls .cache/compile-caches/caches* > /dev/null 2>&1; then  # carried: ci/device-collect.sh's parts of an earlier run
+  cat .cache/compile-caches/caches* | tar xzf - -C / 2>/dev/null
+  echo "== compile caches restored from $(ls .cache/compile-caches/caches* | wc -l) parts (docs/development.md)"
 fi
 bash ci/site-install.sh "$TARGET"
 echo "== $(date -u +%FT%TZ) $REL: $(python3 -c 'import aphrodite, torch; print("aphrodite", aphrodite.__version__, "torch", torch.__version__)' 2>&1 | tail -1)"
@@ -61,9 +67,7 @@ suite() {  # NAME TEST [CELLS]
     HXF_PORT_OFFSET=$((PORTS + ${4:-0})) HXF_PYTEST_TIMEOUT="${HXF_STAGE_SECONDS:-1500}" bash ci/gpu.sh "$2"
 }
 
-mk() {  # DIR MAKE-TINY-ARGS...: write the checkpoint unless a finished one is there (make-tiny writes atomically)
-  [ -e "$1/manifest.json" ] || /usr/bin/time -f "make-tiny $1: %e s" python3 -m hybrid_exl3_fixes.cli make-tiny "$@"
-}
+mk() { bash ci/make-model.sh "$@"; }  # DIR MAKE-TINY-ARGS...: one writer per checkpoint, none when it is written
 
 inputs() {  # CHECKPOINT OUT: the checkpoint's config and tensor list as doctor reads them (memory_calibration.save_inputs)
   python3 -c "import sys; sys.path.insert(0, 'bench'); import memory_calibration as c; from pathlib import Path; c.save_inputs(Path(sys.argv[1]).parent, Path(sys.argv[2]), Path(sys.argv[1]).name + '/exl3')" "$1" "$2"
@@ -91,29 +95,26 @@ compare() {  # PRESET
   inputs "$m" "$ROOT/compare"
   local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${levels##*,} --gdn-prefill-backend triton --language-model-only"
   local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
-  local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel site pypath target
+  local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel
   has() { case "$want" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
   for rel in 0.24 0.21; do
-    case "$rel" in
-      0.24) site=/tmp/devsite24 pypath=/tmp/devsite24/site:/tmp/devsite24/torch target=/tmp/devsite24/site ;;
-      0.21) site=/tmp/devsite pypath=/tmp/devsite target=/tmp/devsite ;;
-    esac
-    [ -d "$target/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
-    [ "$target" = "$TARGET" ] || bash ci/site-install.sh "$target"
-    local env="PYTHONPATH=$pypath PATH=$site/bin:$PATH"
+    local SITE PYPATH TARGET; staged "$rel"
+    [ -d "$TARGET/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
+    [ "$rel" = "$REL" ] || bash ci/site-install.sh "$TARGET"
+    local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
     has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
     has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$common $lora" --variant-env "aphrodite-$rel-lora=$env")
   done
-  if has exllamav3; then
-    local waited=0
-    ext() { [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; }  # exllamav3-env.sh's two
-    until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
-    if ext; then
-      local x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
-      args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3")
-    else
-      echo "compare: no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh); exllamav3 is left out"
-    fi
+  if has exllamav3; then  # started by same_run.py once the extension is unpacked: the engines do not wait for it
+    local ready=/tmp/hxf-exl3-ready x3
+    rm -f "$ready"
+    x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
+    ( ext() { [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; }  # exllamav3-env.sh's two
+      waited=0
+      until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
+      if ext && source ci/exllamav3-env.sh > /dev/null; then : > "$ready"
+      else echo "no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh)" > "$ready"; fi ) &
+    args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3" --start-after "exllamav3=$ready")
   fi
   [ ${#args[@]} -gt 0 ] || { echo "compare: no variant to run"; return 2; }
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/compare/$(basename "$m").json" --port $((8500 + PORTS)) \

@@ -80,6 +80,10 @@ cat > "$OUTD/install/install.sh" <<SH
 #!/usr/bin/env bash
 # Reassemble the parts; torch 2.13 and triton go to /tmp/devsite24/torch (first on PYTHONPATH), aphrodite
 # and its dependencies to /tmp/devsite24/site. Checks torch 2.13 against the image's CUDA libraries first.
+# The PYTHONPATH every later call needs is written to /tmp/devsite24/pythonpath (ci/gpu-run.sh reads it): torch,
+# site, and site/nvidia_cutlass_dsl/dsl_packages, the folder that nvidia-cutlass-dsl's .pth file puts on sys.path in
+# a real site-packages. Python reads .pth files only in site folders, not in PYTHONPATH folders, so without it
+# `import cutlass` fails in a --target install (docs/gpu-results.md, seventeenth session).
 set -euo pipefail
 have=\$(ls /tmp/devstage24/part* 2>/dev/null | wc -l)
 [ "\$have" -eq $n ] || { echo "devstage24: \$have of $n parts here: the machine went cold; start again from part 1"; exit 3; }
@@ -89,15 +93,16 @@ pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-d
 pip --target /tmp/devsite24/torch /tmp/devpayload24/core/torch-*.whl /tmp/devpayload24/core/triton-*.whl /tmp/devpayload24/side/*.whl
 PYTHONPATH=/tmp/devsite24/torch python3 -c "import torch, torchvision; torch.cuda.init(); x = torch.ones(4, device='cuda'); torch.ops.torchvision.nms; print('devstage24: torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'sum', float(x.sum()), 'nccl', torch.cuda.nccl.version(), 'torchvision', torchvision.__version__)"
 pip --target /tmp/devsite24/site \$(ls /tmp/devpayload24/core/*.whl | grep -v -e /torch- -e /triton-) /tmp/devpayload24/deps/*.whl /tmp/devpayload24/cutlass/*.whl
-PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site python3 -c "import cuda.bindings" 2>/dev/null || pip --target /tmp/devsite24/site /tmp/devpayload24/cutlass/cuda-python/*.whl
+echo /tmp/devsite24/torch:/tmp/devsite24/site:/tmp/devsite24/site/nvidia_cutlass_dsl/dsl_packages > /tmp/devsite24/pythonpath
+PYTHONPATH=\$(cat /tmp/devsite24/pythonpath) python3 -c "import cuda.bindings" 2>/dev/null || pip --target /tmp/devsite24/site /tmp/devpayload24/cutlass/cuda-python/*.whl
 rm -rf /tmp/devpayload24 /tmp/devstage24
 mkdir -p /tmp/devsite24/bin
 printf '#!/usr/bin/env python3\\nimport sys\\nfrom aphrodite.entrypoints.cli.main import main\\nif __name__ == "__main__":\\n    sys.exit(main())\\n' > /tmp/devsite24/bin/aphrodite
 chmod +x /tmp/devsite24/bin/aphrodite
-export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site
+export PYTHONPATH=\$(cat /tmp/devsite24/pythonpath)
 python3 -c "import aphrodite, torch, aphrodite._C_stable_libtorch; print('devstage24: aphrodite', aphrodite.__version__, 'torch', torch.__version__, '(kernels load)')"
 python3 -c "import cutlass; print('devstage24: cutlass', cutlass.__version__ if hasattr(cutlass, '__version__') else '(imports)')" 2>&1 | tail -1
-echo "devstage24: ready. Later calls: export PYTHONPATH=/tmp/devsite24/torch:/tmp/devsite24/site PATH=/tmp/devsite24/bin:\\\$PATH APHRODITE_NO_USAGE_STATS=1"
+echo "devstage24: ready. Later calls: export PYTHONPATH=\$PYTHONPATH PATH=/tmp/devsite24/bin:\\\$PATH APHRODITE_NO_USAGE_STATS=1"
 SH
 chmod +x "$OUTD"/*/*.sh
 total=$(du -sb "$TMP/payload.tar" | cut -f1); rm -rf "$TMP"

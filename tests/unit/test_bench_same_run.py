@@ -8,6 +8,7 @@ import json
 import stat
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -107,6 +108,25 @@ def test_a_worker_that_dies_gives_failed_levels_and_the_run_goes_on(engines, tmp
     assert runs["exl3"]["completed"] == 0 and runs["exl3"]["failed"] == 2 and runs["exl3"]["first_failure"]
 
 
+def test_a_held_variant_starts_when_its_file_appears_and_is_left_out_with_the_files_reason(engines):
+    model, _, tmp = engines
+    flag = tmp / "ext-ready"
+    threading.Timer(1.5, flag.write_text, args=("",)).start()  # the extension arrives while the engine starts
+    argv = [str(model), "--variant", "a=", "--exllamav3", "exl3", "--start-after", f"exl3={flag}"]
+    argv += ["--concurrency", "2", "--repeats", "1", "--prompt", "8", "--output", "6", "--start-timeout", "60"]
+    assert same_run.main([*argv, "--out", str(tmp / "one.json"), "--port", str(free_port())]) == 0
+    run = json.loads((tmp / "one.json").read_text())
+    assert run["variants"]["exl3"]["started"] and run["variants"]["exl3"]["held_s"] >= 1.0
+    assert {r["variant"]: r["completed"] for r in run["runs"]} == {"a": 2, "exl3": 2}
+
+    flag.write_text("no exllamav3 extension after 900 s\n")  # the build failed: the others are measured alone
+    assert same_run.main([*argv, "--out", str(tmp / "two.json"), "--port", str(free_port())]) == 0
+    run = json.loads((tmp / "two.json").read_text())
+    v = run["variants"]["exl3"]
+    assert not v["started"] and v["error"] == "not started: no exllamav3 extension after 900 s"
+    assert [r["variant"] for r in run["runs"]] == ["a"] and "exl3" in run["summary"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -114,6 +134,8 @@ def test_a_worker_that_dies_gives_failed_levels_and_the_run_goes_on(engines, tmp
         (["--variant-env", "a"], "--variant-env takes"),
         (["--exllamav3", "a"], "variant names repeat"),
         (["--concurrency", "1,x"], "--concurrency takes"),
+        (["--start-after", "nobody=/tmp/x"], "--start-after names no variant"),
+        (["--start-after", "a"], "--start-after takes"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(engines, capsys, extra, message):
