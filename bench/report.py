@@ -21,3 +21,11 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def spread(stat: dict | None) -> str:
+    """A median with its spread over the repeats: ``M (MIN-MAX)``, or ``M`` when they agree, ``-`` for none."""
+    if not stat or stat.get("median") is None:
+        return "-"
+    lo, hi = stat["min"], stat["max"]
+    return f"{stat['median']} ({lo}-{hi})" if lo != hi else f"{stat['median']}"

@@ -25,19 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from report import spread  # noqa: E402
+
 FLAG = "--mamba-ssm-cache-dtype"
 
 
 def ssm_override(command: list[str]) -> str | None:
     """The state dtype a variant was started with, when its command names one."""
     return command[command.index(FLAG) + 1] if FLAG in command[:-1] else None
-
-
-def spread(stat: dict | None) -> str:
-    if not stat:
-        return "-"
-    lo, hi = stat["min"], stat["max"]
-    return f"{stat['median']} ({lo}-{hi})" if lo != hi else f"{stat['median']}"
 
 
 def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:

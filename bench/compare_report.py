@@ -1,0 +1,191 @@
+"""Issue 31's table: one checkpoint served by each staged release, without and with an adapter, beside exllamav3's
+generator, from one ``bench/same_run.py`` run (``ci/gpu-run.sh compare:PRESET``).
+
+    python3 bench/compare_report.py RUN.json --inputs INPUTS.json[.xz] --bandwidth-file BANDWIDTH.json \
+        --out bench/results [--title "..."]
+
+RUN.json: same_run.py's results; INPUTS.json: the checkpoint's config and tensor list (memory_calibration.save_inputs,
+xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind. Writes
+``compare_<model>.csv``, ``.md`` and ``.png``: per variant and concurrency the median and spread (min-max over the
+repeats) of per-request and decode tok/s by same_run's one formula, the time to first token, the ratio to the
+exllamav3 variant's per-request median at the same level, each release's adapter against its base, and the memory
+roofline of the step (bench/roofline.py: for a MoE the expected distinct experts of N x k routes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import lzma
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from report import pyplot, spread, write_table  # noqa: E402
+
+METRICS = {"per_request": "per_request_tok_s", "decode": "decode_tok_s", "ttft": "ttft_mean_s"}
+
+
+def read_inputs(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(lzma.decompress(raw) if path.suffix == ".xz" else raw)
+
+
+def is_exllamav3(variant: dict) -> bool:
+    return "exllamav3_generator.py" in " ".join(variant.get("command", []))
+
+
+def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
+    import roofline
+
+    from hybrid_exl3_fixes.doctor import parse_config
+
+    shape = parse_config(inputs["config.json"])[0]
+    ns = sorted({int(n) for levels in run["summary"].values() for n in levels})
+    roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, 512, 256)}
+    x3 = next((n for n, v in run["variants"].items() if is_exllamav3(v)), None)
+    out = []
+    for name, levels in run["summary"].items():
+        for n in ns:
+            s = levels.get(str(n))
+            if not s or "per_request_tok_s" not in s:
+                continue
+            row = {"variant": name, "concurrency": n}
+            row["repeats"] = sum(1 for r in run["runs"] if r["variant"] == name and r["concurrency"] == n)
+            for key, metric in METRICS.items():
+                stat = s.get(metric) or {}
+                row.update({key: stat.get("median"), f"{key}_min": stat.get("min"), f"{key}_max": stat.get("max")})
+            ref = (run["summary"].get(x3) or {}).get(str(n)) if x3 and name != x3 else None
+            ref = (ref or {}).get("per_request_tok_s", {}).get("median")
+            row["over_exllamav3"] = round(row["per_request"] / ref, 3) if ref else None
+            r = roof[n]
+            row.update(
+                weight_gb=r["weight_gb"], state_gb=r["state_gb"], kv_gb=r["kv_gb"], roofline_step_ms=r["step_ms"]
+            )
+            row["roofline_per_request"] = r["roofline_tok_s_per_request"]
+            row["of_roofline"] = round(row["per_request"] / r["roofline_tok_s_per_request"], 3)
+            out.append(row)
+    return out
+
+
+def lora_pairs(run: dict) -> list[tuple[str, str]]:
+    """(base, adapter) variant pairs: NAME and NAME-lora, as ci/gpu-run.sh's compare stage names them."""
+    return [
+        (n[: -len("-lora")], n)
+        for n in run["variants"]
+        if n.endswith("-lora") and n[: -len("-lora")] in run["variants"]
+    ]
+
+
+def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> list[str]:
+    md = [
+        f"# Same-run comparison: {title}",
+        "",
+        "| variant | engine | ready (s) | KV tokens | attention block | note |",
+    ]
+    md.append("|---|---|---|---|---|---|")
+    for name, v in run["variants"].items():
+        engine = (
+            "exllamav3 generator"
+            if is_exllamav3(v)
+            else "aphrodite run" + (" + LoRA" if "--enable-lora" in v["command"] else "")
+        )
+        ready = v.get("ready_s") if v.get("started") else "did not start"
+        tokens = int(v["kv_cache_tokens"]) if v.get("kv_cache_tokens") is not None else "-"
+        note = (v.get("error") or "")[:160].replace("|", "/")
+        if is_exllamav3(v) and v.get("load_s") is not None:
+            note = f"load {v['load_s']} s, warm-up {v.get('warmup_s')} s" + (f"; {note}" if note else "")
+        md.append(f"| {name} | {engine} | {ready} | {tokens} | {v.get('attention_block_size', '-')} | {note} |")
+    md += ["", "Formula: " + " ".join(run.get("formula", "").split()), ""]
+    md += [
+        f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt 512 + output 256; the "
+        "weights a step reads count the expected distinct routed experts of N x k routes.",
+        "",
+        "| variant | N | per-request tok/s, median (min-max) | decode tok/s | TTFT s | / exllamav3 | roofline "
+        "per request | of roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(table, key=lambda r: (r["concurrency"], r["variant"])):
+        cells = [spread({"median": r[k], "min": r[f"{k}_min"], "max": r[f"{k}_max"]}) for k in METRICS]
+        md.append(
+            f"| {r['variant']} | {r['concurrency']} | {cells[0]} | {cells[1]} | {cells[2]} | "
+            f"{r['over_exllamav3'] if r['over_exllamav3'] is not None else '-'} | {r['roofline_per_request']} | "
+            f"{r['of_roofline']} |"
+        )
+    by = {(r["variant"], r["concurrency"]): r for r in table}
+    for base, lora in lora_pairs(run):
+        lines = [
+            f"- N = {n}: per-request {by[lora, n]['per_request'] / by[base, n]['per_request']:.3f}, decode "
+            f"{by[lora, n]['decode'] / by[base, n]['decode']:.3f}"
+            for n in sorted({r["concurrency"] for r in table})
+            if (base, n) in by and (lora, n) in by and by[base, n]["decode"]
+        ]
+        if lines:
+            md += ["", f"{lora} / {base} (medians):", "", *lines]
+    ns = sorted({r["concurrency"] for r in table})
+    md += ["", "| N | weights GB/step | KV GB/step | state GB/step | roofline step ms |", "|---|---|---|---|---|"]
+    for n in ns:
+        r = next(r for r in table if r["concurrency"] == n)
+        md.append(f"| {n} | {r['weight_gb']} | {r['kv_gb']} | {r['state_gb']} | {r['roofline_step_ms']} |")
+    return md
+
+
+def plot(table: list[dict], path: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name in dict.fromkeys(r["variant"] for r in table):
+        rs = [r for r in table if r["variant"] == name]
+        n = [r["concurrency"] for r in rs]
+        for ax, key in zip(axes, ("per_request", "decode")):
+            med = [r[key] for r in rs]
+            err = [[m - r[f"{key}_min"] for m, r in zip(med, rs)], [r[f"{key}_max"] - m for m, r in zip(med, rs)]]
+            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=name)
+    for ax, label in zip(axes, ("tokens/s per request", "decode tokens/s (all requests)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", type=Path)
+    p.add_argument("--inputs", type=Path, required=True)
+    p.add_argument("--bandwidth-file", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    for f in (args.run, args.inputs, args.bandwidth_file):
+        if not f.is_file():
+            p.error(f"{f}: no such file")
+    try:
+        run, inputs = json.loads(args.run.read_text()), read_inputs(args.inputs)
+        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
+        table = rows(run, inputs, bandwidth)
+    except (ValueError, KeyError, TypeError, AttributeError, lzma.LZMAError) as e:
+        p.error(f"cannot read the run: {type(e).__name__}: {e}")
+    if not table:
+        p.error(f"{args.run}: no measured level")
+    stem = "compare_" + Path(run.get("model", "model")).parent.name
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    write_table(args.out / f"{stem}.md", markdown(run, table, str(args.bandwidth_file), args.title or stem))
+    plot(table, args.out / f"{stem}.png", args.title or stem)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

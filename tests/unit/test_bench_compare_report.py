@@ -1,0 +1,94 @@
+"""bench/compare_report.py on the 35B-A3B checkpoint's real config and header table (run 20's inputs, written on the
+H200 by make-tiny) with a same_run.py result of made-up figures (a fake input: the run's numbers)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import compare_report  # noqa: E402
+
+INPUTS = ROOT / "docs" / "gpu-runs" / "2026-12-03-run20" / "inputs-qwen3.6-35b-a3b-full-3bit-exl3.json.xz"
+BANDWIDTH = ROOT / "docs" / "gpu-runs" / "2026-12-01-run14" / "fulldepth" / "bandwidth.json"
+MODEL = "/tmp/hxf-models/qwen3.6-35b-a3b-full-3bit/exl3"
+
+
+def stat(m: float) -> dict:
+    return {"median": m, "min": round(m * 0.98, 2), "max": round(m * 1.01, 2)}
+
+
+def fake_run() -> dict:
+    speed = {"aphrodite-0.24": 150.0, "aphrodite-0.24-lora": 120.0, "exllamav3": 200.0, "aphrodite-0.21": None}
+    summary, runs = {}, []
+    for name, base in speed.items():
+        summary[name] = {}
+        for n in (1, 8):
+            if base is None:
+                summary[name][str(n)] = {}
+                continue
+            per = round(base / (1 + n / 8), 2)
+            summary[name][str(n)] = {
+                "per_request_tok_s": stat(per),
+                "decode_tok_s": stat(per * n),
+                "ttft_mean_s": stat(0.05 * n),
+            }
+            runs += [{"variant": name, "concurrency": n, "repeat": k} for k in range(3)]
+    aphrodite = [sys.executable, "-m", "aphrodite.entrypoints.cli.main", "run", MODEL]
+    variants = {
+        "aphrodite-0.24": {"command": aphrodite, "started": True, "ready_s": 300.1, "kv_cache_tokens": 70720.0},
+        "aphrodite-0.24-lora": {"command": [*aphrodite, "--enable-lora"], "started": True, "ready_s": 320.0},
+        "exllamav3": {
+            "command": [sys.executable, "bench/exllamav3_generator.py", MODEL],
+            "started": True,
+            "ready_s": 80.0,
+            "load_s": 30.0,
+            "warmup_s": 12.0,
+        },
+        "aphrodite-0.21": {"command": aphrodite, "started": False, "error": "RuntimeError: out of | memory"},
+    }
+    return {"model": MODEL, "formula": "decode tok/s = ...", "variants": variants, "summary": summary, "runs": runs}
+
+
+def report(tmp_path, run: dict):
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    args = [str(tmp_path / "run.json"), "--inputs", str(INPUTS), "--bandwidth-file", str(BANDWIDTH)]
+    assert compare_report.main([*args, "--out", str(tmp_path / "out")]) == 0
+    stem = tmp_path / "out" / "compare_qwen3.6-35b-a3b-full-3bit"
+    rows = {(r["variant"], int(r["concurrency"])): r for r in csv.DictReader(open(f"{stem}.csv"))}
+    return rows, open(f"{stem}.md").read()
+
+
+def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofline(tmp_path):
+    rows, md = report(tmp_path, fake_run())
+    assert len(rows) == 6 and ("aphrodite-0.21", 1) not in rows  # a variant that did not start has no row
+    assert float(rows["aphrodite-0.24", 1]["over_exllamav3"]) == 0.75 and rows["exllamav3", 1]["over_exllamav3"] == ""
+    assert "- N = 1: per-request 0.800, decode 0.800" in md  # aphrodite-0.24-lora / aphrodite-0.24
+    # the routed experts a step reads grow with N (256 experts, 8 a token); the rest of the weights do not
+    one, eight = float(rows["exllamav3", 1]["weight_gb"]), float(rows["exllamav3", 8]["weight_gb"])
+    assert 1.2 < one < 1.6 and 3.4 < eight < 4.2
+    r = rows["aphrodite-0.24", 8]
+    assert float(r["of_roofline"]) == round(float(r["per_request"]) / float(r["roofline_per_request"]), 3) < 1
+    assert "| aphrodite-0.21 | aphrodite run | did not start | - | - | RuntimeError: out of / memory |" in md
+    assert "| exllamav3 | exllamav3 generator | 80.0 | - | - | load 30.0 s, warm-up 12.0 s |" in md
+    assert "| aphrodite-0.24 | 1 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
+
+
+@pytest.mark.parametrize("content", [None, "{not json", json.dumps({"summary": {"x": {"1": None}}, "variants": {}})])
+def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, content):
+    run = tmp_path / "run.json"
+    if content is not None:
+        run.write_text(content)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "compare_report.py"), str(run), "--inputs", str(INPUTS)]
+    cmd += ["--bandwidth-file", str(BANDWIDTH), "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("compare_report.py: error: ")
+    assert not out.exists()
