@@ -96,10 +96,11 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
         )
         ready = v.get("ready_s") if v.get("started") else "did not start"
         tokens = int(v["kv_cache_tokens"]) if v.get("kv_cache_tokens") is not None else "-"
+        block = int(v["attention_block_size"]) if v.get("attention_block_size") else "-"
         note = (v.get("error") or "")[:160].replace("|", "/")
         if is_exllamav3(v) and v.get("load_s") is not None:
             note = f"load {v['load_s']} s, warm-up {v.get('warmup_s')} s" + (f"; {note}" if note else "")
-        md.append(f"| {name} | {engine} | {ready} | {tokens} | {v.get('attention_block_size', '-')} | {note} |")
+        md.append(f"| {name} | {engine} | {ready} | {tokens} | {block} | {note} |")
     md += ["", "Formula: " + " ".join(run.get("formula", "").split()), ""]
     md += [
         f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt 512 + output 256; the "
