@@ -14,18 +14,15 @@ roofline of the step (bench/roofline.py: for a MoE the expected distinct experts
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import lzma
 import sys
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import pyplot, spread, write_table  # noqa: E402
+from report import check_files, level_parser, plot_levels, spread, write_csv, write_table  # noqa: E402
 
 METRICS = {"per_request": "per_request_tok_s", "decode": "decode_tok_s", "ttft": "ttft_mean_s"}
 
@@ -135,40 +132,10 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     return md
 
 
-def plot(table: list[dict], path: Path, title: str) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for name in dict.fromkeys(r["variant"] for r in table):
-        rs = [r for r in table if r["variant"] == name]
-        n = [r["concurrency"] for r in rs]
-        for ax, key in zip(axes, ("per_request", "decode")):
-            med = [r[key] for r in rs]
-            err = [[m - r[f"{key}_min"] for m, r in zip(med, rs)], [r[f"{key}_max"] - m for m, r in zip(med, rs)]]
-            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=name)
-    for ax, label in zip(axes, ("tokens/s per request", "decode tokens/s (all requests)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=Path)
-    p.add_argument("--inputs", type=Path, required=True)
-    p.add_argument("--bandwidth-file", type=Path, required=True)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--title", default="")
+    p = level_parser(__doc__)
     args = p.parse_args(argv)
-    for f in (args.run, args.inputs, args.bandwidth_file):
-        if not f.is_file():
-            p.error(f"{f}: no such file")
+    check_files(p, args)
     try:
         run, inputs = json.loads(args.run.read_text()), read_inputs(args.inputs)
         bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
@@ -179,12 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.run}: no measured level")
     stem = "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_csv(args.out / f"{stem}.csv", table)
     write_table(args.out / f"{stem}.md", markdown(run, table, str(args.bandwidth_file), args.title or stem))
-    plot(table, args.out / f"{stem}.png", args.title or stem)
+    panels = [("per_request", "tokens/s per request"), ("decode", "decode tokens/s (all requests)")]
+    plot_levels(table, args.out / f"{stem}.png", args.title or stem, panels)
     return 0
 
 

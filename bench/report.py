@@ -29,3 +29,59 @@ def spread(stat: dict | None) -> str:
         return "-"
     lo, hi = stat["min"], stat["max"]
     return f"{stat['median']} ({lo}-{hi})" if lo != hi else f"{stat['median']}"
+
+
+def level_parser(doc: str):
+    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("run", type=Path)
+    p.add_argument("--inputs", type=Path, required=True)
+    p.add_argument("--bandwidth-file", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--title", default="")
+    return p
+
+
+def check_files(p, args) -> None:
+    for f in (args.run, args.inputs, args.bandwidth_file):
+        if not f.is_file():
+            p.error(f"{f}: no such file")
+
+
+def write_csv(path: Path, table: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+
+
+def plot_levels(table: list[dict], path: Path, title: str, panels: list[tuple[str, str]], label=None) -> None:
+    """One panel per (KEY, y label) of ``panels``: each variant's median KEY against concurrency (log 2), the
+    spread KEY_min..KEY_max as error bars; ``label(name, rows)`` names a variant's line (default its name)."""
+    import textwrap
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))
+    for name in dict.fromkeys(r["variant"] for r in table):
+        rs = [r for r in table if r["variant"] == name]
+        n = [r["concurrency"] for r in rs]
+        for ax, (key, _) in zip(axes, panels):
+            med = [r[key] for r in rs]
+            stem = key.removesuffix("_tok_s")  # the rows' spread: decode_tok_s -> decode_min, decode_max
+            err = [[m - r[f"{stem}_min"] for m, r in zip(med, rs)], [r[f"{stem}_max"] - m for m, r in zip(med, rs)]]
+            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=label(name, rs) if label else name)
+    for ax, (_, ylabel) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -14,18 +14,15 @@ logged it. A variant's state dtype is the ``--mamba-ssm-cache-dtype`` in its com
 
 from __future__ import annotations
 
-import argparse
 import copy
-import csv
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import spread  # noqa: E402
+from report import check_files, level_parser, plot_levels, spread, write_csv  # noqa: E402
 
 FLAG = "--mamba-ssm-cache-dtype"
 
@@ -164,44 +161,10 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     return md
 
 
-def plot(table: list[dict], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for name in dict.fromkeys(r["variant"] for r in table):
-        rs = [r for r in table if r["variant"] == name]
-        n = [r["concurrency"] for r in rs]
-        for ax, key in zip(axes, ("decode", "per_request")):
-            med = [r[f"{key}_tok_s"] for r in rs]
-            err = [[m - r[f"{key}_min"] for m, r in zip(med, rs)], [r[f"{key}_max"] - m for m, r in zip(med, rs)]]
-            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=f"{name} ({rs[0]['state_dtype']} state)")
-    for ax, label in zip(axes, ("decode tokens/s (all requests)", "tokens/s per request")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=Path)
-    p.add_argument("--inputs", type=Path, required=True)
-    p.add_argument("--bandwidth-file", type=Path, required=True)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--title", default="")
+    p = level_parser(__doc__)
     args = p.parse_args(argv)
-    for f in (args.run, args.inputs, args.bandwidth_file):
-        if not f.is_file():
-            p.error(f"{f}: no such file")
+    check_files(p, args)
     try:
         run, inputs = json.loads(args.run.read_text()), json.loads(args.inputs.read_text())
         bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
@@ -211,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     if not table:
         p.error(f"{args.run}: no measured level")
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "state_dtype.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_csv(args.out / "state_dtype.csv", table)
     md = markdown(run, table, str(args.bandwidth_file), args.title)
     (args.out / "state_dtype.md").write_text("\n".join(md) + "\n")
-    plot(table, args.out / "state_dtype.png", args.title)
+    panels = [("decode_tok_s", "decode tokens/s (all requests)"), ("per_request_tok_s", "tokens/s per request")]
+    plot_levels(
+        table, args.out / "state_dtype.png", args.title, panels, lambda n, rs: f"{n} ({rs[0]['state_dtype']} state)"
+    )
     print("\n".join(md))
     return 0
 
