@@ -14,22 +14,15 @@ roofline of the step (bench/roofline.py: for a MoE the expected distinct experts
 
 from __future__ import annotations
 
-import json
-import lzma
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import check_files, level_parser, plot_levels, spread, write_csv, write_table  # noqa: E402
+from report import load_levels, plot_levels, spread, write_csv, write_table  # noqa: E402
 
 METRICS = {"per_request": "per_request_tok_s", "decode": "decode_tok_s", "ttft": "ttft_mean_s"}
-
-
-def read_inputs(path: Path) -> dict:
-    raw = path.read_bytes()
-    return json.loads(lzma.decompress(raw) if path.suffix == ".xz" else raw)
 
 
 def is_exllamav3(variant: dict) -> bool:
@@ -133,17 +126,7 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = level_parser(__doc__)
-    args = p.parse_args(argv)
-    check_files(p, args)
-    try:
-        run, inputs = json.loads(args.run.read_text()), read_inputs(args.inputs)
-        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
-        table = rows(run, inputs, bandwidth)
-    except (ValueError, KeyError, TypeError, AttributeError, lzma.LZMAError) as e:
-        p.error(f"cannot read the run: {type(e).__name__}: {e}")
-    if not table:
-        p.error(f"{args.run}: no measured level")
+    args, run, table = load_levels(argv, __doc__, rows)
     stem = "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", table)

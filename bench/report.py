@@ -44,10 +44,35 @@ def level_parser(doc: str):
     return p
 
 
-def check_files(p, args) -> None:
+def read_inputs(path: Path) -> dict:
+    """A checkpoint's saved config and tensor list (memory_calibration.save_inputs), xz-compressed or not."""
+    import json
+    import lzma
+
+    raw = path.read_bytes()
+    return json.loads(lzma.decompress(raw) if path.suffix == ".xz" else raw)
+
+
+def load_levels(argv: list[str] | None, doc: str, rows) -> tuple:
+    """Parse a same-run report's arguments and build its table with ``rows(run, inputs, bandwidth)``: (args, run,
+    table); a missing or unreadable file, or a run with no measured level, ends in one argparse error line."""
+    import json
+    import lzma
+
+    p = level_parser(doc)
+    args = p.parse_args(argv)
     for f in (args.run, args.inputs, args.bandwidth_file):
         if not f.is_file():
             p.error(f"{f}: no such file")
+    try:
+        run, inputs = json.loads(args.run.read_text()), read_inputs(args.inputs)
+        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
+        table = rows(run, inputs, bandwidth)
+    except (ValueError, KeyError, TypeError, AttributeError, lzma.LZMAError) as e:
+        p.error(f"cannot read the run: {type(e).__name__}: {e}")
+    if not table:
+        p.error(f"{args.run}: no measured level")
+    return args, run, table
 
 
 def write_csv(path: Path, table: list[dict]) -> None:

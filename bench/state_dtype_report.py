@@ -15,14 +15,13 @@ logged it. A variant's state dtype is the ``--mamba-ssm-cache-dtype`` in its com
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import check_files, level_parser, plot_levels, spread, write_csv  # noqa: E402
+from report import load_levels, plot_levels, spread, write_csv  # noqa: E402
 
 FLAG = "--mamba-ssm-cache-dtype"
 
@@ -162,17 +161,7 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = level_parser(__doc__)
-    args = p.parse_args(argv)
-    check_files(p, args)
-    try:
-        run, inputs = json.loads(args.run.read_text()), json.loads(args.inputs.read_text())
-        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
-        table = rows(run, inputs, bandwidth)
-    except (ValueError, KeyError, TypeError) as e:
-        p.error(f"cannot read the run: {type(e).__name__}: {e}")
-    if not table:
-        p.error(f"{args.run}: no measured level")
+    args, run, table = load_levels(argv, __doc__, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "state_dtype.csv", table)
     md = markdown(run, table, str(args.bandwidth_file), args.title)
