@@ -74,25 +74,27 @@ def start_after(text: str) -> tuple[str, Path]:
     return name.strip(), Path(path.strip())
 
 
-def held_start(server, flag: Path, until: float, cancel: threading.Event, poll: float = 2.0) -> threading.Thread:
+def held_start(server, flag: Path, until: float, cancel: threading.Event, poll: float = 2.0):
     """Start ``server`` once ``flag`` exists, from a thread; an empty flag starts it, one with text leaves it
-    unstarted, the text kept as ``server.held_reason``, as is the wait's end when ``until`` passes first or
-    ``cancel`` is set (the run is ending: nothing starts after its servers were stopped)."""
+    unstarted, as does the wait's end when ``until`` passes first or ``cancel`` is set (the run is ending: nothing
+    starts after its servers were stopped). Returns the thread and its outcome: ``held_s`` once the wait has ended,
+    and ``reason`` where the server was left unstarted."""
+    outcome: dict = {}
 
     def run() -> None:
         while not flag.exists() and time.monotonic() < until and not cancel.wait(poll):
             pass
         text = flag.read_text(errors="replace").strip() if flag.exists() else f"{flag} did not appear in time"
-        server.held_s = round(time.monotonic() - t_start, 1)
         if text or cancel.is_set():
-            server.held_reason = text or "the run ended first"
+            outcome["reason"] = text or "the run ended first"
         else:
             server.start()
+        outcome["held_s"] = round(time.monotonic() - t_start, 1)
 
     t_start = time.monotonic()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread
+    return thread, outcome
 
 
 def parser() -> argparse.ArgumentParser:
@@ -217,14 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         model = request_model(server.name, server.args)
         return asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab, seed=seed), args.output))
 
+    def left() -> float:
+        return max(1.0, args.start_timeout - (time.monotonic() - t0))
+
     try:
         for name, server in servers.items():
-            left = lambda: max(1.0, args.start_timeout - (time.monotonic() - t0))  # noqa: E731
             if name in waiting:  # its start waited for a file: started, or left out with the file's text
-                waiting[name].join(left())
-                out["variants"][name]["held_s"] = getattr(server, "held_s", None)
-                if waiting[name].is_alive() or getattr(server, "held_reason", None):
-                    reason = getattr(server, "held_reason", None) or f"{holds[name]} did not appear in time"
+                thread, outcome = waiting[name]
+                thread.join(left() + 5)  # its own wait ends at the same start deadline
+                out["variants"][name]["held_s"] = outcome.get("held_s")
+                if "held_s" not in outcome or "reason" in outcome:
+                    reason = outcome.get("reason", "its start did not come in time")
                     out["variants"][name].update(started=False, error=f"not started: {reason}"[:800])
                     continue
             up = server.wait_ready(left())
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(out["runs"][-1]), flush=True)
     finally:
         cancel.set()
-        for thread in waiting.values():
+        for thread, _ in waiting.values():
             thread.join(10)
         for server in servers.values():
             server.stop()

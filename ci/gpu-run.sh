@@ -109,10 +109,11 @@ compare() {  # PRESET
     local ready=/tmp/hxf-exl3-ready x3
     rm -f "$ready"
     x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
-    ( ext() { [ -e .cache/exllamav3-ext/exllamav3_ext.so.gz ] || [ -e /tmp/exllamav3_ext.so.gz ]; }  # exllamav3-env.sh's two
+    # the env script knows where the extension may come from and unpacks it once it is there
+    ( ext() { ( source ci/exllamav3-env.sh > /dev/null; [ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] ); }
       waited=0
       until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
-      if ext && source ci/exllamav3-env.sh > /dev/null; then : > "$ready"
+      if ext; then : > "$ready"
       else echo "no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh)" > "$ready"; fi ) &
     args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3" --start-after "exllamav3=$ready")
   fi
