@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from .aphrodite.lora import utils as _p11
 from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
 from .aphrodite.lora.layers import utils as _p2
@@ -48,6 +49,7 @@ PATCHES: list[Patch] = [
     _p1.PATCH_P9,  # before P7: P7's chunks then reach P9, each sanitised for its own size
     _p1.PATCH_P7,
     _p1.PATCH_P10,
+    _p11.PATCH,
 ]
 REGISTRY = Registry(PATCHES)
 
