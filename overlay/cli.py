@@ -15,7 +15,7 @@ EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in this tool, not in the user's input
 
 
 def patch_number(patch_id: str) -> tuple[int, str]:
-    """Display order, P1 < P2 < P2b < ... < P10 (the registry applies P9 before P7, which wraps it)."""
+    """Display order, P1 < P2 < P2b < ... < P11 (the registry applies P9 before P7, which wraps it)."""
     digits = "".join(c for c in patch_id[1:] if c.isdigit())
     return int(digits or 0), patch_id
 

@@ -174,6 +174,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P9", "NOT_APPLICABLE"),  # 0.20/0.21 never give padding rows expert id -1; applied before P7 (it wraps P9)
         ("P7", "APPLIED"),
         ("P10", "NOT_APPLICABLE"),  # 0.20/0.21 route every warm-up row to a real expert
+        ("P11", "APPLIED"),
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -221,7 +222,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
+    assert overlay.undo_all() == ["P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
         "P5",
         "P4",
         "P2b",
@@ -250,6 +251,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P7": "APPLIED",
         "P9": "NOT_APPLICABLE",  # 0.20/0.21 never give padding rows expert id -1
         "P10": "NOT_APPLICABLE",  # nor do they skip idle exl3_moe launches
+        "P11": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -295,7 +297,9 @@ def test_fixed_release_is_left_alone(overlay):
     # P10 from 0.24.0 (exl3_moe skips idle launches); 0.22/0.23 launch the kernel whatever the rows
     skips_idle = APHRODITE_VERSION not in ("0.22.0", "0.23.0")
     assert results["P10"].status.value == ("APPLIED" if skips_idle else "NOT_APPLICABLE"), results["P10"].reason
-    applied = 6 + padding_ids + skips_idle
+    # P11 on every release (each reads lm_head.weight; 0.24+ reach it for Qwen3.5/3.6)
+    assert results["P11"].status.value == "APPLIED", results["P11"].reason
+    applied = 7 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 

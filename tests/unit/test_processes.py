@@ -79,8 +79,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P7": "APPLIED",
             "P9": "NOT_APPLICABLE",
             "P10": "NOT_APPLICABLE",
+            "P11": "APPLIED",
         }
-        applied = 6 if APHRODITE_VERSION == "0.20.0" else 7
+        applied = 7 if APHRODITE_VERSION == "0.20.0" else 8
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
         summary = f"hybrid-exl3-fixes: applied={applied} upstream_fixed={upstream_fixed} drifted=0"
         assert summary in proc.stdout + proc.stderr
@@ -94,6 +95,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         # the fused kernel's context before the first capture, from 0.24.0 (idle launches skipped)
         idle_launch = APHRODITE_VERSION in ("0.22.0", "0.23.0")
         assert out["results"]["P10"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")
+        assert out["results"]["P11"] == "APPLIED"  # the LoRA wrapper of an EXL3 lm_head, every release
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -296,6 +298,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P7": "UPSTREAM_FIXED",
         "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding_ids.py reads it
         "P10": "NOT_APPLICABLE",  # 0010 applies to 0.24.1, where tests/unit/test_p10_moe_context.py reads it
+        "P11": "UPSTREAM_FIXED",
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

@@ -42,7 +42,7 @@ P3_APPLIED = (
 )
 
 
-# Drop-in tests of a patch the overlay still applies on releases that fixed others (P5, P6, P7 on 0.22-0.24.1):
+# Drop-in tests of a patch the overlay still applies on releases that fixed others (P5, P6, P7, P11 on 0.22-0.24.1):
 # they run wherever that patch is APPLIED.
 RUNS_WHERE_APPLIED = {
     "test_fused_moe_exl3.py": "P5",
@@ -50,6 +50,7 @@ RUNS_WHERE_APPLIED = {
     "test_exl3_moe_graph_capacity.py": "P7",
     "test_exl3_moe_padding_ids.py": "P9",
     "test_exl3_moe_context_capture.py": "P10",
+    "test_logits_processor_exl3.py": "P11",
 }
 # A patch switched off (HYBRID_EXL3_FIXES_DISABLE) counts as applied here: that is a control run, in which its
 # drop-in must show the bug.
