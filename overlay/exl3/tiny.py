@@ -20,7 +20,8 @@ Which projections are EXL3 follows exllamav3's Qwen3.5 layout: GDN ``in_proj_qkv
 fused), ``in_proj_z``, ``out_proj``; attention ``q/k/v/o_proj``; MLP ``gate/up/down_proj``.
 ``in_proj_a``, ``in_proj_b``, ``conv1d``, ``A_log``, ``dt_bias``, norms, embeddings, lm_head and
 the vision tower stay unquantized (lm_head: ``head_bits`` null, since aphrodite treats
-``lm_head`` as EXL3 whenever ``head_bits`` is set).
+``lm_head`` as EXL3 whenever ``head_bits`` is set). ``head_bits=N`` writes the head as EXL3 (mcg), as exllamav3 does
+by default (6 bits), and its dequantized weight into the dense twin; it needs a vocabulary that is a multiple of 128.
 
 What the EXL3 folder holds follows what exllamav3 1.6.5 writes for a Qwen3.5/3.6 source model
 (``conversion/compile.py``, checked against its sources in tests/unit/test_exllamav3_layout.py):
@@ -158,6 +159,14 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         tensors = codec.random_exl3_linear(fin, fout, spec.mtp_bits, cb, gen, device=device)
         exl3_state.update({f"{prefix}.{name}": tensor for name, tensor in tensors.items()})
         storage[prefix] = exl3_storage_entry(exl3_state, prefix, spec.mtp_bits, cb)
+
+    if spec.head_bits is not None:  # drawn last (the float16 head is drawn with the embeddings)
+        tensors = codec.random_exl3_linear(spec.hidden, spec.vocab, spec.head_bits, "mcg", gen, device=device)
+        if dense:
+            dense_state["lm_head.weight"] = codec.dense_weight(tensors, spec.head_bits, device).t().contiguous().cpu()
+        exl3_state.update({f"lm_head.{name}": tensor for name, tensor in tensors.items()})
+        storage["lm_head"] = exl3_storage_entry(exl3_state, "lm_head", spec.head_bits, "mcg")
+        codebooks["lm_head"] = "mcg"
 
     if dense and spec.experts:
         fuse_experts(dense_state, spec, torch)

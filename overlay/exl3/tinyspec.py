@@ -190,6 +190,10 @@ def _check(spec: TinySpec) -> None:
         raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
     if not 1 <= spec.bits <= 8:
         raise ValueError(f"bits must be 1..8, got {spec.bits}")
+    if spec.head_bits is not None and not (isinstance(spec.head_bits, int) and 1 <= spec.head_bits <= 8):
+        raise ValueError(f"head_bits must be 1..8 or None, got {spec.head_bits!r}")
+    if spec.head_bits is not None and spec.vocab % codec.HAD:
+        raise ValueError(f"vocab = {spec.vocab} is not a multiple of {codec.HAD}, which an EXL3 head needs")
     if spec.hidden % codec.HAD:
         raise ValueError(f"hidden = {spec.hidden} is not a multiple of {codec.HAD} (every EXL3 dimension must be)")
     # Dimensions a tensor-parallel rank holds a slice of: column-parallel outputs and the

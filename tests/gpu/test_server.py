@@ -58,8 +58,9 @@ ILLEGAL_ACCESS = "an illegal memory access was encountered"
 # the cell runs with the engine's defaults: no --gdn-prefill-backend triton, no --language-model-only
 ENGINE_DEFAULTS = "<engine defaults>"
 
-# name: checkpoint dtype, eager?, LoRA? (True: ADAPTERS; or the adapters it serves), extra args, extra env,
-# what the cell must do
+HEAD6 = "bfloat16-head6"  # the bfloat16 checkpoint with its lm_head in EXL3 at 6 bits
+# name: checkpoint (a dtype, or HEAD6), eager?, LoRA? (True: ADAPTERS; or the adapters it serves), extra args,
+# extra env, what the cell must do
 CELLS = {
     "compiled-bf16-lora": ("bfloat16", False, True, [], {"APHRODITE_ALLOW_RUNTIME_LORA_UPDATING": "1"}, "serve"),
     "compiled-bf16-nolora": ("bfloat16", False, False, [], {}, "serve"),
@@ -76,6 +77,9 @@ CELLS = {
     "compiled-bf16-lora-chunk512": ("bfloat16", False, True, ["--max-num-batched-tokens", "512"], {}, "serve"),
     # an adapter over the GDN gate projections too (in_proj_a / in_proj_b, unquantized, fused in_proj_ba)
     "compiled-bf16-lora-ab": ("bfloat16", False, ("lora-a", "lora-ab"), [], {}, "serve"),
+    # the head in EXL3, as exllamav3 writes it by default (head_bits 6): on 0.24+ LoRA wraps Qwen3.5's lm_head, and
+    # without P11 the engine stops at start-up (docs/upstream/lora-exl3-lm-head.md)
+    "compiled-bf16-lora-exl3head": (HEAD6, False, True, [], {}, "serve"),
     # what a user types: the FlashInfer GDN prefill (JIT-compiled on first use) and the multimodal start-up
     "defaults-bf16-lora": ("bfloat16", False, ("lora-a", "lora-ab"), [ENGINE_DEFAULTS], {}, "serve"),
     # controls without P4: float16 activations crash, whichever checkpoint they come from
@@ -195,6 +199,10 @@ def tiny(workdir):
         if not (dest / "manifest.json").exists():
             write_tiny(dest, TinySpec(bits=4, codebook="mcg", seed=0, dtype=dtype))
         out[dtype] = dest
+    dest = workdir / f"server-{HEAD6}"  # the same, its head in EXL3 (other draws: the head is drawn last)
+    if not (dest / "manifest.json").exists():
+        write_tiny(dest, TinySpec(bits=4, codebook="mcg", seed=0, head_bits=6))
+    out[HEAD6] = dest
     return out
 
 

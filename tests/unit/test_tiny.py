@@ -398,3 +398,32 @@ def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
     top5 = [a.topk(5, -1).indices for a in on]
     distance = max(float((a.gather(1, t) - b.gather(1, t)).abs().max()) for a, b, t in zip(on, off, top5))
     assert distance > 2 * 0.15, distance
+
+
+def test_an_exl3_head_as_exllamav3_writes_it_with_its_dense_twin(tmp_path):
+    """``head_bits``: the head in EXL3 (its storage entry, no ``lm_head.weight``) and the dense twin's head the
+    dequantized weight."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hybrid_exl3_fixes.exl3 import codec
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "head", TinySpec(bits=4, codebook="mcg", seed=0, head_bits=6, adapters=()))
+    cfg = json.loads((tmp_path / "head" / "exl3" / "config.json").read_text())
+    assert cfg["quantization_config"]["head_bits"] == 6
+    exl3 = load_file(tmp_path / "head" / "exl3" / "model.safetensors")
+    dense = load_file(tmp_path / "head" / "dense" / "model.safetensors")
+    assert "lm_head.weight" not in exl3 and {"lm_head.trellis", "lm_head.suh", "lm_head.svh"} <= set(exl3)
+    head = {k.removeprefix("lm_head."): v for k, v in exl3.items() if k.startswith("lm_head.")}
+    assert torch.equal(dense["lm_head.weight"], codec.dense_weight(head, 6).t().contiguous())
+    manifest = json.loads((tmp_path / "head" / "manifest.json").read_text())
+    assert manifest["codebooks"]["lm_head"] == "mcg"
+
+
+def test_an_exl3_head_needs_a_vocabulary_of_128s(tmp_path):
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    with pytest.raises(ValueError, match="multiple of 128"):
+        write_tiny(tmp_path / "x", TinySpec(vocab=500, head_bits=6))
+    assert not (tmp_path / "x").exists()
