@@ -29,7 +29,8 @@
 #                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.21,0.21-lora,exllamav3). Memory: each variant holds the weights
+#                          subset of 0.24,0.24-lora,0.21,0.21-lora,exllamav3), HXF_CMP_AFTER (stages, comma list,
+#                          whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds the weights
 #                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
 #                          35B-A3B variants do not fit one H200
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
@@ -118,6 +119,7 @@ compare() {  # PRESET
     args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3" --start-after "exllamav3=$ready")
   fi
   [ ${#args[@]} -gt 0 ] || { echo "compare: no variant to run"; return 2; }
+  local s; for s in ${HXF_CMP_AFTER:+${HXF_CMP_AFTER//,/ }}; do args+=(--hold-until "$ROOT/$s.done"); done
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/compare/$(basename "$m").json" --port $((8500 + PORTS)) \
     --concurrency "$levels" --repeats "${HXF_CMP_REPEATS:-3}" --deadline "${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${args[@]}"
 }
