@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                     reason = outcome.get("reason", "its start did not come in time")
                     out["variants"][name].update(started=False, error=f"not started: {reason}"[:800])
                     continue
-            up = server.wait_ready(left())
+            # every variant's start has the same deadline, t0 + --start-timeout; wait_ready counts from the
+            # server's own start, so it gets what is left of that deadline from there, not from now
+            up = server.wait_ready(t0 + args.start_timeout - server.started)
             out["variants"][name].update(started=up, ready_s=server.ready_s, **server.startup_figures())
             if not up:
                 out["variants"][name]["error"] = server.root_error()[:800] or "did not start"

@@ -21,8 +21,9 @@ STREAMING_APHRODITE = textwrap.dedent('''\
     #!{python}
     """Stand-in for `aphrodite run MODEL --port P ...`: /health, and /v1/completions streaming max_tokens
     one-character chunks, 2 ms apart, for the model names it was started with."""
-    import http.server, json, socketserver, sys, time
+    import http.server, json, os, socketserver, sys, time
     args = sys.argv[1:]
+    time.sleep(float(os.environ.get("FAKE_START_S", "0")))  # a slow start, as a compiling engine's
     port = int(args[args.index("--port") + 1])
     names = {args[args.index("--served-model-name") + 1]}
     if "--lora-modules" in args:

@@ -127,6 +127,22 @@ def test_a_held_variant_starts_when_its_file_appears_and_is_left_out_with_the_fi
     assert [r["variant"] for r in run["runs"]] == ["a"] and "exl3" in run["summary"]
 
 
+def test_a_variant_ready_after_the_first_is_waited_for_until_the_common_start_deadline(engines):
+    """Every variant's start has the deadline t0 + --start-timeout. A variant still compiling when the one before
+    it became ready was judged "did not start" within a poll once more than half that timeout had gone (its wait
+    was given the time left from now, counted from its own start), and left out of the measured levels although
+    it was ready seconds later."""
+    model, _, tmp = engines
+    out = tmp / "slow.json"
+    argv = [str(model), "--out", str(out), "--variant", "a=", "--variant", "b="]
+    argv += ["--variant-env", "a=FAKE_START_S=6", "--variant-env", "b=FAKE_START_S=10"]
+    argv += ["--concurrency", "1", "--repeats", "1", "--prompt", "8", "--output", "6", "--port", str(free_port())]
+    assert same_run.main([*argv, "--start-timeout", "14"]) == 0
+    v = json.loads(out.read_text())["variants"]
+    assert v["a"]["started"] and v["b"]["started"], v
+    assert v["b"]["ready_s"] >= 10 and [r["variant"] for r in json.loads(out.read_text())["runs"]] == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
