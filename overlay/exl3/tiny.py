@@ -63,6 +63,7 @@ from .tinyspec import (
     mtp_projections,
 )
 from .tinystate import (
+    HEAD_STD,
     Draw,
     _base_state,
     _write_adapter,
@@ -161,7 +162,9 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         storage[prefix] = exl3_storage_entry(exl3_state, prefix, spec.mtp_bits, cb)
 
     if spec.head_bits is not None:  # drawn last (the float16 head is drawn with the embeddings)
-        tensors = codec.random_exl3_linear(spec.hidden, spec.vocab, spec.head_bits, "mcg", gen, device=device)
+        tensors = codec.random_exl3_linear(
+            spec.hidden, spec.vocab, spec.head_bits, "mcg", gen, scale=HEAD_STD, device=device
+        )
         if dense:
             dense_state["lm_head.weight"] = codec.dense_weight(tensors, spec.head_bits, device).t().contiguous().cpu()
         exl3_state.update({f"lm_head.{name}": tensor for name, tensor in tensors.items()})

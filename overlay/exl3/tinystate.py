@@ -9,6 +9,10 @@ from pathlib import Path
 from . import codec
 from .tinyspec import ADAPTER_TARGETS, GDN_GATE_TARGETS, TinySpec, layer_projections
 
+# the head's weight scale, float16 or EXL3 alike: an adapter's effect on the logprobs scales with it, and the
+# server suite's LoRA cells need it above three tolerances whichever head the checkpoint has
+HEAD_STD = 0.1
+
 
 class Draw:
     """Random tensors for the unquantized weights, drawn from one generator in call order (so a
@@ -50,7 +54,7 @@ def _global_state(spec: TinySpec, cfg: dict, draw: Draw) -> dict:
         "model.language_model.norm.weight": rnd(spec.hidden, std=0.1, dtype=keep),
     }
     if spec.head_bits is None:
-        state["lm_head.weight"] = rnd(spec.vocab, spec.hidden, std=0.1)
+        state["lm_head.weight"] = rnd(spec.vocab, spec.hidden, std=HEAD_STD)
     b = "model.visual.blocks.0."
     h = v["hidden_size"]
     for name, shape in {"norm1": (h,), "norm2": (h,)}.items():

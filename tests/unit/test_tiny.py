@@ -361,43 +361,77 @@ def test_lora_ab_loads_in_peft_on_the_dense_twin(tiny):
     assert names and all(hasattr(wrapped.get_submodule(n), "lora_A") for n in names)
 
 
-def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
-    """The server cell that serves lora-ab tells an engine that drops its in_proj_a / in_proj_b deltas from one
-    that applies them (tests/gpu/test_server.py: GATES_OFF > TOLERANCE) only if HF + PEFT's references with and
-    without those deltas are more than two tolerances apart by the cell's own measure: max |d logprob| over the
-    top-5 entries of every prompt and generated position (harness.compare_served), on the cell's three prompts
-    (prompts(3, 1)) with their 8 greedy tokens, on the server suite's checkpoint. The full-vocabulary distance
-    overstates it (0.66 against 0.38 here): the server reports the top 5 only."""
+SERVER_TOLERANCE = 0.15  # tests/gpu/test_server.py TOLERANCE
+GDN_GATES = ("in_proj_a", "in_proj_b")
+
+
+def served_distance(folder, adapter: str, n_prompts: int, switch_off) -> float:
+    """The server cells' own measure between HF + PEFT's reference with ``adapter`` on ``folder``'s dense twin and
+    the same model after ``switch_off(model)``: max |d logprob| over the top-5 entries (of the reference with the
+    adapter) of every prompt and generated position (harness.compare_served), on the cells' prompts
+    (test_server.prompts(n_prompts, 1)) with their 8 greedy tokens (complete(): max_tokens 8)."""
     peft = pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
     import random
 
     from transformers import AutoModelForImageTextToText
 
-    write_tiny(tmp_path / "t", TinySpec(bits=4, codebook="mcg", seed=0), dense=True)
-    base = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "t" / "dense"), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "t" / "lora-ab")).eval()
-    gates = [m for n, m in model.named_modules() if n.endswith(("in_proj_a", "in_proj_b")) and hasattr(m, "scaling")]
-    assert gates
-    rng = random.Random(1)  # tests/gpu/test_server.py prompts(3, 1)
-    prompts = [[rng.randrange(0, 500) for _ in range(rng.randrange(12, 48))] for _ in range(3)]
+    base = AutoModelForImageTextToText.from_pretrained(str(folder / "dense"), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(folder / adapter)).eval()
+    rng = random.Random(1)  # tests/gpu/test_server.py prompts(n, 1)
+    prompts = [[rng.randrange(0, 500) for _ in range(rng.randrange(12, 48))] for _ in range(n_prompts)]
 
     def logprobs(ids):
         with torch.no_grad():
             return model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
 
     answers = []
-    for ids in prompts:  # the prompt and its 8 greedy tokens, as the cell asks (complete(): max_tokens 8)
+    for ids in prompts:
         ids = list(ids)
         for _ in range(8):
             ids.append(int(logprobs(ids)[-1].argmax()))
         answers.append(ids[:-1])
     on = [logprobs(ids) for ids in answers]
-    for m in gates:
-        m.scaling = {k: 0.0 for k in m.scaling}
+    switch_off(model)
     off = [logprobs(ids) for ids in answers]
     top5 = [a.topk(5, -1).indices for a in on]
-    distance = max(float((a.gather(1, t) - b.gather(1, t)).abs().max()) for a, b, t in zip(on, off, top5))
-    assert distance > 2 * 0.15, distance
+    return max(float((a.gather(1, t) - b.gather(1, t)).abs().max()) for a, b, t in zip(on, off, top5))
+
+
+def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
+    """The server cell that serves lora-ab tells an engine that drops its in_proj_a / in_proj_b deltas from one
+    that applies them (tests/gpu/test_server.py: GATES_OFF > TOLERANCE) only if HF + PEFT's references with and
+    without those deltas are more than two tolerances apart by the cell's own measure (served_distance) on the
+    cell's three prompts, on the server suite's checkpoint. The full-vocabulary distance overstates it (0.66
+    against 0.38 here): the server reports the top 5 only."""
+
+    def gates_off(model):
+        gates = [m for n, m in model.named_modules() if n.endswith(GDN_GATES) and hasattr(m, "scaling")]
+        assert gates
+        for m in gates:
+            m.scaling = {k: 0.0 for k in m.scaling}
+
+    write_tiny(tmp_path / "t", TinySpec(bits=4, codebook="mcg", seed=0), dense=True)
+    distance = served_distance(tmp_path / "t", "lora-ab", 3, gates_off)
+    assert distance > 2 * SERVER_TOLERANCE, distance
+
+
+@pytest.mark.parametrize("head_bits", [None, 6])
+def test_lora_a_moves_the_served_logprobs_beyond_three_tolerances(tmp_path, head_bits):
+    """Every LoRA server cell asserts that lora-a is more than three tolerances from the base reference on its
+    first prompt ("the adapter made no difference"), so that an engine that served the base model for the adapter
+    could not pass. That must hold on each checkpoint the cells serve: the float16 head's and the EXL3 head's
+    (compiled-bf16-lora-exl3head). An EXL3 head drawn at exllamav3's usual weight scale (0.02, against the
+    float16 head's 0.1) gives logits five times flatter, and lora-a moved the top-5 logprobs by only 0.13."""
+
+    def adapter_off(model):
+        for m in model.modules():
+            if hasattr(m, "scaling") and isinstance(m.scaling, dict):
+                m.scaling = {k: 0.0 for k in m.scaling}
+
+    spec = TinySpec(bits=4, codebook="mcg", seed=0, head_bits=head_bits)  # the server suite's checkpoints
+    write_tiny(tmp_path / "t", spec, dense=True)
+    distance = served_distance(tmp_path / "t", "lora-a", 1, adapter_off)
+    assert distance > 3 * SERVER_TOLERANCE, distance
 
 
 def test_an_exl3_head_as_exllamav3_writes_it_with_its_dense_twin(tmp_path):
