@@ -2,7 +2,7 @@
 generator, from one ``bench/same_run.py`` run (``ci/gpu-run.sh compare:PRESET``).
 
     python3 bench/compare_report.py RUN.json --inputs INPUTS.json[.xz] --bandwidth-file BANDWIDTH.json \
-        --out bench/results [--title "..."]
+        --out bench/results [--title "..."] [--note "..."]...
 
 RUN.json: same_run.py's results; INPUTS.json: the checkpoint's config and tensor list (memory_calibration.save_inputs,
 xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind. Writes
@@ -71,12 +71,11 @@ def lora_pairs(run: dict) -> list[tuple[str, str]]:
     ]
 
 
-def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> list[str]:
-    md = [
-        f"# Same-run comparison: {title}",
-        "",
-        "| variant | engine | ready (s) | KV tokens | attention block | note |",
-    ]
+def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str, notes: list[str] = ()) -> list[str]:
+    md = [f"# Same-run comparison: {title}", ""]
+    for note in notes:
+        md += [note, ""]
+    md.append("| variant | engine | ready (s) | KV tokens | attention block | note |")
     md.append("|---|---|---|---|---|---|")
     for name, v in run["variants"].items():
         engine = (
@@ -96,14 +95,14 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
         f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt 512 + output 256; the "
         "weights a step reads count the expected distinct routed experts of N x k routes.",
         "",
-        "| variant | N | per-request tok/s, median (min-max) | decode tok/s | TTFT s | / exllamav3 | roofline "
-        "per request | of roofline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | / exllamav3 | "
+        "roofline per request | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(table, key=lambda r: (r["concurrency"], r["variant"])):
         cells = [spread({"median": r[k], "min": r[f"{k}_min"], "max": r[f"{k}_max"]}) for k in METRICS]
         md.append(
-            f"| {r['variant']} | {r['concurrency']} | {cells[0]} | {cells[1]} | {cells[2]} | "
+            f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | "
             f"{r['over_exllamav3'] if r['over_exllamav3'] is not None else '-'} | {r['roofline_per_request']} | "
             f"{r['of_roofline']} |"
         )
@@ -130,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", table)
-    write_table(args.out / f"{stem}.md", markdown(run, table, str(args.bandwidth_file), args.title or stem))
+    md = markdown(run, table, str(args.bandwidth_file), args.title or stem, args.note)
+    write_table(args.out / f"{stem}.md", md)
     panels = [("per_request", "tokens/s per request"), ("decode", "decode tokens/s (all requests)")]
     plot_levels(table, args.out / f"{stem}.png", args.title or stem, panels)
     return 0

@@ -32,7 +32,7 @@ def spread(stat: dict | None) -> str:
 
 
 def level_parser(doc: str):
-    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title."""
+    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title, --note."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -41,6 +41,9 @@ def level_parser(doc: str):
     p.add_argument("--bandwidth-file", type=Path, required=True)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--title", default="")
+    p.add_argument(
+        "--note", action="append", default=[], help="a paragraph under the title (what the run's JSON cannot say)"
+    )
     return p
 
 

@@ -59,6 +59,7 @@ def fake_run() -> dict:
 def report(tmp_path, run: dict):
     (tmp_path / "run.json").write_text(json.dumps(run))
     args = [str(tmp_path / "run.json"), "--inputs", str(INPUTS), "--bandwidth-file", str(BANDWIDTH)]
+    args += ["--note", "What the JSON cannot say.", "--note", "A second paragraph."]
     assert compare_report.main([*args, "--out", str(tmp_path / "out")]) == 0
     stem = tmp_path / "out" / "compare_qwen3.6-35b-a3b-full-3bit"
     rows = {(r["variant"], int(r["concurrency"])): r for r in csv.DictReader(open(f"{stem}.csv"))}
@@ -68,6 +69,8 @@ def report(tmp_path, run: dict):
 def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofline(tmp_path):
     rows, md = report(tmp_path, fake_run())
     assert len(rows) == 6 and ("aphrodite-0.21", 1) not in rows  # a variant that did not start has no row
+    assert md.startswith("# Same-run comparison: compare_qwen3.6-35b-a3b-full-3bit\n\nWhat the JSON cannot say.\n\n")
+    assert "A second paragraph.\n\n| variant | engine |" in md
     assert float(rows["aphrodite-0.24", 1]["over_exllamav3"]) == 0.75 and rows["exllamav3", 1]["over_exllamav3"] == ""
     assert "- N = 1: per-request 0.800, decode 0.800" in md  # aphrodite-0.24-lora / aphrodite-0.24
     # the routed experts a step reads grow with N (256 experts, 8 a token); the rest of the weights do not
@@ -77,7 +80,7 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert float(r["of_roofline"]) == round(float(r["per_request"]) / float(r["roofline_per_request"]), 3) < 1
     assert "| aphrodite-0.21 | aphrodite run | did not start | - | - | RuntimeError: out of / memory |" in md
     assert "| exllamav3 | exllamav3 generator | 80.0 | - | - | load 30.0 s, warm-up 12.0 s |" in md
-    assert "| aphrodite-0.24 | 1 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
+    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
 
 
 @pytest.mark.parametrize("content", [None, "{not json", json.dumps({"summary": {"x": {"1": None}}, "variants": {}})])
