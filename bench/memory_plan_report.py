@@ -289,7 +289,9 @@ def evaluate(row: dict) -> dict:
         t = plan["terms"]
         pairs = {
             "weights_gib": round(
-                (t["weights"]["bytes"] + t["lora_buffers"]["bytes"] + t["load_overhead"]["bytes"]) / GIB, 2
+                sum(t[k]["bytes"] for k in ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch") if k in t)
+                / GIB,
+                2,
             ),
             "torch_peak_gib": t["activation_peak"]["gib"],
             "non_torch_gib": t["non_torch"]["gib"],

@@ -42,6 +42,12 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
 
     if name == "load_overhead":
         return b(64 * MIB, 64 * MIB, "the calibration rows' largest miss of weights + load overhead, 0.04 GiB")
+    if name == "exl3_moe_scratch":  # memplan.exl3_moe_scratch: C = SMs // 12 planned at an H200's 11
+        return b(
+            value * (2 if big_gpu else 10) // 11,
+            value // 11,
+            "C = SMs // 12, planned 11 (H200, H100): 9 on an A100, 10 on an RTX 4090, 6 on an RTX 3090, 12 on a B200",
+        )
     if name == "activation_peak":
         return b(
             value // 10,

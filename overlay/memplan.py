@@ -33,6 +33,10 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   max_num_seqs, 512, max_num_batched_tokens) (config/aphrodite.py), piecewise graphs at every size,
   FULL decode graphs at sizes <= max_num_seqs, each set twice with LoRA on; estimate = the larger first
   capture + the others' per-graph cost (gpu_model_runner.py profile_cudagraph_memory).
+- EXL3 MoE scratch: every EXL3 MoE layer allocates, after loading and inside "Model loading took", four fp16
+  buffers of C x 128 tokens per expert x (hidden, hidden, intermediate, intermediate) with C = the GPU's SM count
+  // 12, and a handful of top_k-sized ones (quantization/exl3.py Exl3MoEMethod._setup_fused_moe_kernel,
+  0.20.0-0.24.1; 32 tokens per expert on SM 11.x in 0.24): 13.8 MiB a layer at the 35B-A3B's widths on an H200.
 - EXL3 GEMM: more than 32 rows reconstruct the whole fp16 weight of the tensor first
   (quantization/exl3.py _exl3_linear_one): the profiling run's sampler pass (max_num_seqs rows through
   lm_head) holds a vocab x hidden fp16 copy of an EXL3 head.
@@ -317,6 +321,28 @@ def cudagraph_bytes(shape, eng: Engine) -> tuple[int, str]:
     )
 
 
+MOE_TOKENS_PER_EXPERT = 128  # quantization/exl3.py _EXL3_MOE_(DEFAULT_)MAX_TOKENS_PER_EXPERT, 0.20.0-0.24.1
+MOE_MAX_EXPERTS_PER_TOKEN = 32  # _EXL3_MOE_MAX_EXPERTS_PER_TOKEN: caps the small-batch output buffer's rows
+PLAN_GPU_SMS = 132  # the SM count the scratch is planned for: an H200's or H100's (membounds: other GPUs)
+
+
+def exl3_moe_scratch(shape, eng: Engine) -> tuple[int, str]:
+    """The buffers each EXL3 MoE layer allocates once its experts are loaded (Exl3MoEMethod._setup_fused_moe_kernel):
+    per layer 2 x C x T x hidden + 2 x C x T x intermediate fp16 (the gate/up states and intermediates), C = SMs //
+    12, T = 128, and the small-batch ones: 2k x hidden and 2k x intermediate fp16, 2k int64 ids, k x intermediate
+    fp16, k x hidden fp32, min(experts // k, 32) x hidden fp32 (k = experts per token); intermediate per rank."""
+    h, moe = shape.hidden or 0, shape.moe or {}
+    inter, k, experts = (moe.get("intermediate") or 0) // eng.tp, moe.get("per_token") or 0, moe.get("experts") or 0
+    c, t, layers = max(1, PLAN_GPU_SMS // 12), MOE_TOKENS_PER_EXPERT, len(shape.layer_types)
+    big = 2 * c * t * (h + inter) * 2
+    small = 2 * k * (h + inter) * 2 + 2 * k * 8 + k * inter * 2 + k * h * 4
+    small += min(experts // k if k else 0, MOE_MAX_EXPERTS_PER_TOKEN) * h * 4
+    return layers * (big + small), (
+        f"{layers} MoE layers x (2 x {c} x {t} x ({h} + {inter}) x 2 B + {small:,} B of small-batch buffers), "
+        f"{c} = {PLAN_GPU_SMS} SMs // 12"
+    )
+
+
 def is_mtp(name: str) -> bool:
     """A tensor of the MTP head: aphrodite's Qwen3.5 loaders skip every ``mtp.*`` tensor (0.20-0.23
     ``skip_prefixes``, 0.24 ``orig_to_new_prefix {"mtp.": None}``) unless MTP speculative decoding loads
@@ -348,6 +374,9 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         ),
         "cudagraphs": term(graphs, graphs_formula, "code structure, measured per-graph costs"),
     }
+    if exl3 and shape.moe:  # inside the engine's "Model loading took" figure, beside the weights
+        scratch, scratch_formula = exl3_moe_scratch(shape, eng)
+        terms["exl3_moe_scratch"] = term(scratch, scratch_formula, "code (the SM count: the GPU's)")
     if eng.tp > 1:  # membounds.py: allocated by NCCL during the profiling run, in GPU memory over P2P / NVLink
         terms["nccl_buffers"] = term(
             0,

@@ -232,3 +232,41 @@ def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_rang
     main(["doctor", str(tmp_path / "t" / "exl3"), "--language-model-only", "--gpu-mem", "80", "--tp", "2"])
     text = capsys.readouterr().out
     assert "  pool range " in text and "  capacity range " in text and "within the terms' bounds" in text
+
+
+RUN20 = ROOT / "docs" / "gpu-runs" / "2026-12-03-run20"
+RUN22 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run22"
+
+
+@pytest.mark.parametrize("variant", ["aphrodite-0.24", "aphrodite-0.24-lora", "aphrodite-0.21", "aphrodite-0.21-lora"])
+def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant):
+    """The full-size 35B-A3B (40 EXL3 MoE layers of 256 experts): every layer's scratch buffers
+    (memplan.exl3_moe_scratch, 0.55 GiB on an H200) are inside the engine's "Model loading took" figure. Against
+    run 22's four engines on one H200 (the logs in docs/gpu-runs/), weights + LoRA buffers + load overhead + scratch
+    is within 0.05 GiB of what each logged (13.94-14.0 GiB); without the scratch term the plan was 0.5 GiB under."""
+    import re
+
+    from report import read_inputs  # bench/report.py
+
+    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor import parse_config
+
+    inputs = read_inputs(RUN20 / "inputs-qwen3.6-35b-a3b-full-3bit-exl3.json.xz")
+    text = (RUN22 / f"qwen3.6-35b-a3b-full-3bit-{variant}.log").read_text(errors="replace")
+    logged = float(re.search(r"Model loading took ([\d.]+) GiB", text).group(1))
+    shape = parse_config(inputs["config.json"])[0]
+    lora = variant.endswith("-lora")
+    eng = memplan.Engine(
+        139.8,
+        utilization=0.15,
+        max_model_len=832,
+        max_num_seqs=64,
+        language_model_only=True,
+        lora=lora,
+        max_lora_rank=8,
+        release="0.21.0" if "0.21" in variant else "0.24.1",
+    )
+    terms = memplan.plan(shape, inputs["tensors"], eng, True)["terms"]
+    loading = sum(terms[k]["bytes"] for k in ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch"))
+    assert abs(loading / memplan.GIB - logged) < 0.05, (loading / memplan.GIB, logged)
+    assert terms["exl3_moe_scratch"]["bytes"] / memplan.GIB > 0.5  # the term the earlier plan missed
