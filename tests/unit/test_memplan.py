@@ -236,6 +236,8 @@ def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_rang
 
 RUN20 = ROOT / "docs" / "gpu-runs" / "2026-12-03-run20"
 RUN22 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run22"
+# the compare stage's engine flags (ci/gpu-run.sh compare; run 22's COMMANDS.md), LoRA rank 8
+RUN22_ENGINE = dict(utilization=0.15, max_model_len=832, max_num_seqs=64, language_model_only=True, max_lora_rank=8)
 
 
 @pytest.mark.parametrize("variant", ["aphrodite-0.24", "aphrodite-0.24-lora", "aphrodite-0.21", "aphrodite-0.21-lora"])
@@ -256,16 +258,8 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant):
     logged = float(re.search(r"Model loading took ([\d.]+) GiB", text).group(1))
     shape = parse_config(inputs["config.json"])[0]
     lora = variant.endswith("-lora")
-    eng = memplan.Engine(
-        139.8,
-        utilization=0.15,
-        max_model_len=832,
-        max_num_seqs=64,
-        language_model_only=True,
-        lora=lora,
-        max_lora_rank=8,
-        release="0.21.0" if "0.21" in variant else "0.24.1",
-    )
+    release = "0.21.0" if "0.21" in variant else "0.24.1"
+    eng = memplan.Engine(139.8, lora=lora, release=release, **RUN22_ENGINE)
     terms = memplan.plan(shape, inputs["tensors"], eng, True)["terms"]
     loading = sum(terms[k]["bytes"] for k in ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch"))
     assert abs(loading / memplan.GIB - logged) < 0.05, (loading / memplan.GIB, logged)
