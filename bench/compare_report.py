@@ -2,14 +2,15 @@
 generator, from one ``bench/same_run.py`` run (``ci/gpu-run.sh compare:PRESET``).
 
     python3 bench/compare_report.py RUN.json --inputs INPUTS.json[.xz] --bandwidth-file BANDWIDTH.json \
-        --out bench/results [--title "..."] [--note "..."]...
+        --out bench/results [--title "..."] [--note "..."]... [--stem NAME]
 
 RUN.json: same_run.py's results; INPUTS.json: the checkpoint's config and tensor list (memory_calibration.save_inputs,
 xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind. Writes
-``compare_<model>.csv``, ``.md`` and ``.png``: per variant and concurrency the median and spread (min-max over the
-repeats) of per-request and decode tok/s by same_run's one formula, the time to first token, the ratio to the
-exllamav3 variant's per-request median at the same level, each release's adapter against its base, and the memory
-roofline of the step (bench/roofline.py: for a MoE the expected distinct experts of N x k routes).
+``compare_<model>`` (or ``--stem``) ``.csv``, ``.md`` and ``.png``: per variant and concurrency the median and
+spread (min-max over the repeats) of per-request and decode tok/s by same_run's one formula, the time to first
+token, the ratio to the exllamav3 variant's per-request median at the same level, each release's adapter against
+its base, and the memory roofline of the step (bench/roofline.py: for a MoE the expected distinct experts of N x k
+routes).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str, note
 
 def main(argv: list[str] | None = None) -> int:
     args, run, table = load_levels(argv, __doc__, rows)
-    stem = "compare_" + Path(run.get("model", "model")).parent.name
+    stem = args.stem or "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", table)
     md = markdown(run, table, str(args.bandwidth_file), args.title or stem, args.note)

@@ -32,7 +32,7 @@ def spread(stat: dict | None) -> str:
 
 
 def level_parser(doc: str):
-    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title, --note."""
+    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title, --note, --stem."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -44,6 +44,7 @@ def level_parser(doc: str):
     p.add_argument(
         "--note", action="append", default=[], help="a paragraph under the title (what the run's JSON cannot say)"
     )
+    p.add_argument("--stem", default="", help="the output files' name, without suffix (default: the report's own)")
     return p
 
 

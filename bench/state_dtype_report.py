@@ -163,12 +163,14 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
 def main(argv: list[str] | None = None) -> int:
     args, run, table = load_levels(argv, __doc__, rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "state_dtype.csv", table)
+    stem = args.stem or "state_dtype"
+    write_csv(args.out / f"{stem}.csv", table)
     md = markdown(run, table, str(args.bandwidth_file), args.title)
-    (args.out / "state_dtype.md").write_text("\n".join(md) + "\n")
+    md[2:2] = [line for note in args.note for line in (note, "")]  # under the title
+    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     panels = [("decode_tok_s", "decode tokens/s (all requests)"), ("per_request_tok_s", "tokens/s per request")]
     plot_levels(
-        table, args.out / "state_dtype.png", args.title, panels, lambda n, rs: f"{n} ({rs[0]['state_dtype']} state)"
+        table, args.out / f"{stem}.png", args.title, panels, lambda n, rs: f"{n} ({rs[0]['state_dtype']} state)"
     )
     print("\n".join(md))
     return 0

@@ -83,6 +83,15 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
 
 
+def test_a_stem_names_the_files_so_a_second_run_of_one_checkpoint_keeps_the_first(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(fake_run()))
+    args = [str(tmp_path / "run.json"), "--inputs", str(INPUTS), "--bandwidth-file", str(BANDWIDTH)]
+    assert compare_report.main([*args, "--out", str(tmp_path / "out"), "--stem", "compare_35b-lora"]) == 0
+    names = {p.name for p in (tmp_path / "out").iterdir()}  # the plot too where matplotlib is installed
+    assert {"compare_35b-lora.csv", "compare_35b-lora.md"} <= names
+    assert names <= {"compare_35b-lora.csv", "compare_35b-lora.md", "compare_35b-lora.png"}
+
+
 @pytest.mark.parametrize("content", [None, "{not json", json.dumps({"summary": {"x": {"1": None}}, "variants": {}})])
 def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, content):
     run = tmp_path / "run.json"

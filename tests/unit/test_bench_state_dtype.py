@@ -61,3 +61,14 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, content):
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "state_dtype_report.py: error:" in p.stderr
     assert not out.exists()
+
+
+def test_notes_go_under_the_title_and_a_stem_names_the_files(tmp_path):
+    args = [str(RUN / "qwen3.6-27b-full.json"), "--inputs", str(RUN / "inputs-qwen3.6-27b-full-exl3.json")]
+    args += ["--bandwidth-file", str(BANDWIDTH), "--out", str(tmp_path), "--note", "Said here.", "--stem", "sd-run19"]
+    assert state_dtype_report.main(args) == 0
+    names = {p.name for p in tmp_path.iterdir()}  # the plot too where matplotlib is installed
+    assert {"sd-run19.csv", "sd-run19.md"} <= names <= {"sd-run19.csv", "sd-run19.md", "sd-run19.png"}
+    md = (tmp_path / "sd-run19.md").read_text().splitlines()
+    assert md[0].startswith("# GDN state dtype: ") and md[1:4] == ["", "Said here.", ""]
+    assert md[4].startswith("| variant")
