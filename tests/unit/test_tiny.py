@@ -420,7 +420,7 @@ def test_lora_a_moves_the_served_logprobs_beyond_three_tolerances(tmp_path, head
     """Every LoRA server cell asserts that lora-a is more than three tolerances from the base reference on its
     first prompt ("the adapter made no difference"), so that an engine that served the base model for the adapter
     could not pass. That must hold on each checkpoint the cells serve: the float16 head's and the EXL3 head's
-    (compiled-bf16-lora-exl3head). An EXL3 head drawn at exllamav3's usual weight scale (0.02, against the
+    (compiled-bf16-lora-exl3head). An EXL3 head drawn at codec.random_exl3_linear's default scale (0.02, against the
     float16 head's 0.1) gives logits five times flatter, and lora-a moved the top-5 logprobs by only 0.13."""
 
     def adapter_off(model):
