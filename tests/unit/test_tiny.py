@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from hybrid_exl3_fixes.exl3 import codec
 from hybrid_exl3_fixes.exl3.tiny import EXL3_SUFFIXES, PRESETS, TinySpec, write_tiny
+from hybrid_exl3_fixes.exl3.tinyspec import GDN_GATE_TARGETS
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +363,15 @@ def test_lora_ab_loads_in_peft_on_the_dense_twin(tiny):
 
 
 SERVER_TOLERANCE = 0.15  # tests/gpu/test_server.py TOLERANCE
-GDN_GATES = ("in_proj_a", "in_proj_b")
+
+
+def lora_off(model, suffixes: tuple[str, ...] = ("",)) -> None:
+    """Scale to zero every LoRA module of the PEFT ``model`` whose name ends with one of ``suffixes`` (all by
+    default); asserts there is one."""
+    mods = [m for n, m in model.named_modules() if n.endswith(suffixes) and isinstance(getattr(m, "scaling", 0), dict)]
+    assert mods
+    for m in mods:
+        m.scaling = {k: 0.0 for k in m.scaling}
 
 
 def served_distance(folder, adapter: str, n_prompts: int, switch_off) -> float:
@@ -403,15 +412,8 @@ def test_lora_ab_gate_deltas_are_visible_beyond_the_server_tolerance(tmp_path):
     without those deltas are more than two tolerances apart by the cell's own measure (served_distance) on the
     cell's three prompts, on the server suite's checkpoint. The full-vocabulary distance overstates it (0.66
     against 0.38 here): the server reports the top 5 only."""
-
-    def gates_off(model):
-        gates = [m for n, m in model.named_modules() if n.endswith(GDN_GATES) and hasattr(m, "scaling")]
-        assert gates
-        for m in gates:
-            m.scaling = {k: 0.0 for k in m.scaling}
-
     write_tiny(tmp_path / "t", TinySpec(bits=4, codebook="mcg", seed=0), dense=True)
-    distance = served_distance(tmp_path / "t", "lora-ab", 3, gates_off)
+    distance = served_distance(tmp_path / "t", "lora-ab", 3, lambda model: lora_off(model, GDN_GATE_TARGETS))
     assert distance > 2 * SERVER_TOLERANCE, distance
 
 
@@ -422,15 +424,9 @@ def test_lora_a_moves_the_served_logprobs_beyond_three_tolerances(tmp_path, head
     could not pass. That must hold on each checkpoint the cells serve: the float16 head's and the EXL3 head's
     (compiled-bf16-lora-exl3head). An EXL3 head drawn at codec.random_exl3_linear's default scale (0.02, against the
     float16 head's 0.1) gives logits five times flatter, and lora-a moved the top-5 logprobs by only 0.13."""
-
-    def adapter_off(model):
-        for m in model.modules():
-            if hasattr(m, "scaling") and isinstance(m.scaling, dict):
-                m.scaling = {k: 0.0 for k in m.scaling}
-
     spec = TinySpec(bits=4, codebook="mcg", seed=0, head_bits=head_bits)  # the server suite's checkpoints
     write_tiny(tmp_path / "t", spec, dense=True)
-    distance = served_distance(tmp_path / "t", "lora-a", 1, adapter_off)
+    distance = served_distance(tmp_path / "t", "lora-a", 1, lora_off)
     assert distance > 3 * SERVER_TOLERANCE, distance
 
 
