@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import load_levels, plot_levels, spread, write_csv, write_table  # noqa: E402
+from report import load_levels, plot_levels, spread, with_notes, write_csv, write_table  # noqa: E402
 
 METRICS = {"per_request": "per_request_tok_s", "decode": "decode_tok_s", "ttft": "ttft_mean_s"}
 
@@ -72,11 +72,12 @@ def lora_pairs(run: dict) -> list[tuple[str, str]]:
     ]
 
 
-def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str, notes: list[str] = ()) -> list[str]:
-    md = [f"# Same-run comparison: {title}", ""]
-    for note in notes:
-        md += [note, ""]
-    md.append("| variant | engine | ready (s) | KV tokens | attention block | note |")
+def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> list[str]:
+    md = [
+        f"# Same-run comparison: {title}",
+        "",
+        "| variant | engine | ready (s) | KV tokens | attention block | note |",
+    ]
     md.append("|---|---|---|---|---|---|")
     for name, v in run["variants"].items():
         engine = (
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.stem or "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", table)
-    md = markdown(run, table, str(args.bandwidth_file), args.title or stem, args.note)
+    md = with_notes(markdown(run, table, str(args.bandwidth_file), args.title or stem), args.note)
     write_table(args.out / f"{stem}.md", md)
     panels = [("per_request", "tokens/s per request"), ("decode", "decode tokens/s (all requests)")]
     plot_levels(table, args.out / f"{stem}.png", args.title or stem, panels)

@@ -288,11 +288,7 @@ def evaluate(row: dict) -> dict:
         cap = plan["capacity"]
         t = plan["terms"]
         pairs = {
-            "weights_gib": round(
-                sum(t[k]["bytes"] for k in ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch") if k in t)
-                / GIB,
-                2,
-            ),
+            "weights_gib": round(memplan.loading_bytes(t) / GIB, 2),
             "torch_peak_gib": t["activation_peak"]["gib"],
             "non_torch_gib": t["non_torch"]["gib"],
             "cudagraph_gib": t["cudagraphs"]["gib"],

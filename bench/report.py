@@ -48,6 +48,12 @@ def level_parser(doc: str):
     return p
 
 
+def with_notes(md: list[str], notes: list[str]) -> list[str]:
+    """``md`` (a page's lines, its title and a blank line first) with each of ``notes`` as a paragraph under the
+    title (``--note``)."""
+    return [*md[:2], *(line for note in notes for line in (note, "")), *md[2:]]
+
+
 def read_inputs(path: Path) -> dict:
     """A checkpoint's saved config and tensor list (memory_calibration.save_inputs), xz-compressed or not."""
     import json

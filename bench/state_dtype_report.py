@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import load_levels, plot_levels, spread, write_csv  # noqa: E402
+from report import load_levels, plot_levels, spread, with_notes, write_csv  # noqa: E402
 
 FLAG = "--mamba-ssm-cache-dtype"
 
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.stem or "state_dtype"
     write_csv(args.out / f"{stem}.csv", table)
-    md = markdown(run, table, str(args.bandwidth_file), args.title)
-    md[2:2] = [line for note in args.note for line in (note, "")]  # under the title
+    md = with_notes(markdown(run, table, str(args.bandwidth_file), args.title), args.note)
     (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     panels = [("decode_tok_s", "decode tokens/s (all requests)"), ("per_request_tok_s", "tokens/s per request")]
     plot_levels(

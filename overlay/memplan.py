@@ -343,6 +343,15 @@ def exl3_moe_scratch(shape, eng: Engine) -> tuple[int, str]:
     )
 
 
+# the plan's terms that the engine's "Model loading took X GiB" figure holds (the rest come later in its start-up)
+LOADING_TERMS = ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch")
+
+
+def loading_bytes(terms: dict) -> int:
+    """What the engine will log as "Model loading took": the sum of the plan's LOADING_TERMS it has."""
+    return sum(terms[k]["bytes"] for k in LOADING_TERMS if k in terms)
+
+
 def is_mtp(name: str) -> bool:
     """A tensor of the MTP head: aphrodite's Qwen3.5 loaders skip every ``mtp.*`` tensor (0.20-0.23
     ``skip_prefixes``, 0.24 ``orig_to_new_prefix {"mtp.": None}``) unless MTP speculative decoding loads
