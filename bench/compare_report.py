@@ -93,26 +93,32 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
             note = f"load {v['load_s']} s, warm-up {v.get('warmup_s')} s" + (f"; {note}" if note else "")
         md.append(f"| {name} | {engine} | {ready} | {tokens} | {block} | {note} |")
     md += ["", "Formula: " + " ".join(run.get("formula", "").split()), ""]
+    # the ratio column only where the run has an exllamav3 variant to divide by
+    x3 = any(is_exllamav3(v) for v in run["variants"].values())
     md += [
         f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt 512 + output 256; the "
         "weights a step reads count the expected distinct routed experts of N x k routes.",
         "",
-        "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | / exllamav3 | "
-        "roofline per request | of roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | "
+        + ("/ exllamav3 | " if x3 else "")
+        + "roofline per request | of roofline |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if x3 else ""),
     ]
     for r in sorted(table, key=lambda r: (r["concurrency"], r["variant"])):
         cells = [spread({"median": r[k], "min": r[f"{k}_min"], "max": r[f"{k}_max"]}) for k in METRICS]
+        ratio = f"{r['over_exllamav3'] if r['over_exllamav3'] is not None else '-'} | " if x3 else ""
         md.append(
             f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | "
-            f"{r['over_exllamav3'] if r['over_exllamav3'] is not None else '-'} | {r['roofline_per_request']} | "
-            f"{r['of_roofline']} |"
+            f"{ratio}{r['roofline_per_request']} | {r['of_roofline']} |"
         )
     by = {(r["variant"], r["concurrency"]): r for r in table}
     for base, lora in lora_pairs(run):
+        # the adapter's cost as time: a request's time per token grows by 1/lora - 1/base (a fixed cost a step
+        # shows as the same number of ms at every N, where the ratios fall with N)
         lines = [
             f"- N = {n}: per-request {by[lora, n]['per_request'] / by[base, n]['per_request']:.3f}, decode "
-            f"{by[lora, n]['decode'] / by[base, n]['decode']:.3f}"
+            f"{by[lora, n]['decode'] / by[base, n]['decode']:.3f}; a request's time per token "
+            f"+{1000 / by[lora, n]['per_request'] - 1000 / by[base, n]['per_request']:.2f} ms"
             for n in sorted({r["concurrency"] for r in table})
             if (base, n) in by and (lora, n) in by and by[base, n]["decode"]
         ]

@@ -72,7 +72,7 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert md.startswith("# Same-run comparison: compare_qwen3.6-35b-a3b-full-3bit\n\nWhat the JSON cannot say.\n\n")
     assert "A second paragraph.\n\n| variant | engine |" in md
     assert float(rows["aphrodite-0.24", 1]["over_exllamav3"]) == 0.75 and rows["exllamav3", 1]["over_exllamav3"] == ""
-    assert "- N = 1: per-request 0.800, decode 0.800" in md  # aphrodite-0.24-lora / aphrodite-0.24
+    assert "- N = 1: per-request 0.800, decode 0.800; a request's time per token +1.87 ms" in md  # 1000/106.67 - 1000/133.33
     # the routed experts a step reads grow with N (256 experts, 8 a token); the rest of the weights do not
     one, eight = float(rows["exllamav3", 1]["weight_gb"]), float(rows["exllamav3", 8]["weight_gb"])
     assert 1.2 < one < 1.6 and 3.4 < eight < 4.2
@@ -81,6 +81,20 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert "| aphrodite-0.21 | aphrodite run | did not start | - | - | RuntimeError: out of / memory |" in md
     assert "| exllamav3 | exllamav3 generator | 80.0 | - | - | load 30.0 s, warm-up 12.0 s |" in md
     assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
+
+
+def test_a_run_without_exllamav3_has_no_ratio_column_and_its_rows_keep_their_cells(tmp_path):
+    run = fake_run()
+    for part in ("variants", "summary"):
+        del run[part]["exllamav3"]
+    run["runs"] = [r for r in run["runs"] if r["variant"] != "exllamav3"]
+    _, md = report(tmp_path, run)
+    head = next(line for line in md.splitlines() if line.startswith("| variant | N |"))
+    assert "exllamav3" not in head and head.count("|") == 9
+    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | " in md
+    rows = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24")]
+    assert rows and all(line.count("|") == 9 for line in rows if "aphrodite run" not in line)
+    assert "- N = 8: per-request 0.800" in md  # the adapter against its base stays
 
 
 def test_a_stem_names_the_files_so_a_second_run_of_one_checkpoint_keeps_the_first(tmp_path):
