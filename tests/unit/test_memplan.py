@@ -236,16 +236,19 @@ def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_rang
 
 RUN20 = ROOT / "docs" / "gpu-runs" / "2026-12-03-run20"
 RUN22 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run22"
-# the compare stage's engine flags (ci/gpu-run.sh compare; run 22's COMMANDS.md), LoRA rank 8
+RUN23 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run23"
+# the compare stage's engine flags (ci/gpu-run.sh compare; runs 22 and 23's COMMANDS.md), LoRA rank 8
 RUN22_ENGINE = dict(utilization=0.15, max_model_len=832, max_num_seqs=64, language_model_only=True, max_lora_rank=8)
 
 
+@pytest.mark.parametrize("run", [RUN22, RUN23], ids=["run22", "run23"])
 @pytest.mark.parametrize("variant", ["aphrodite-0.24", "aphrodite-0.24-lora", "aphrodite-0.21", "aphrodite-0.21-lora"])
-def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant):
+def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, run):
     """The full-size 35B-A3B (40 EXL3 MoE layers of 256 experts): every layer's scratch buffers
     (memplan.exl3_moe_scratch, 0.55 GiB on an H200) are inside the engine's "Model loading took" figure. Against
-    run 22's four engines on one H200 (the logs in docs/gpu-runs/), weights + LoRA buffers + load overhead + scratch
-    is within 0.05 GiB of what each logged (13.94-14.0 GiB); without the scratch term the plan was 0.5 GiB under."""
+    the four engines of runs 22 and 23 on one H200 (the logs in docs/gpu-runs/; run 23's were held out when the term
+    was written), weights + LoRA buffers + load overhead + scratch is within 0.05 GiB of what each logged
+    (13.94-14.0 GiB); without the scratch term the plan was 0.5 GiB under."""
     import re
 
     from report import read_inputs  # bench/report.py
@@ -254,7 +257,7 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant):
     from hybrid_exl3_fixes.doctor import parse_config
 
     inputs = read_inputs(RUN20 / "inputs-qwen3.6-35b-a3b-full-3bit-exl3.json.xz")
-    text = (RUN22 / f"qwen3.6-35b-a3b-full-3bit-{variant}.log").read_text(errors="replace")
+    text = (run / f"qwen3.6-35b-a3b-full-3bit-{variant}.log").read_text(errors="replace")
     logged = float(re.search(r"Model loading took ([\d.]+) GiB", text).group(1))
     shape = parse_config(inputs["config.json"])[0]
     lora = variant.endswith("-lora")
