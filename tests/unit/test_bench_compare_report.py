@@ -72,7 +72,8 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert md.startswith("# Same-run comparison: compare_qwen3.6-35b-a3b-full-3bit\n\nWhat the JSON cannot say.\n\n")
     assert "A second paragraph.\n\n| variant | engine |" in md
     assert float(rows["aphrodite-0.24", 1]["over_exllamav3"]) == 0.75 and rows["exllamav3", 1]["over_exllamav3"] == ""
-    assert "- N = 1: per-request 0.800, decode 0.800; a request's time per token +1.87 ms" in md  # 1000/106.67 - 1000/133.33
+    # aphrodite-0.24-lora / aphrodite-0.24; the time a token grows by 1000/106.67 - 1000/133.33 ms
+    assert "- N = 1: per-request 0.800, decode 0.800; a request's time per token +1.87 ms" in md
     # the routed experts a step reads grow with N (256 experts, 8 a token); the rest of the weights do not
     one, eight = float(rows["exllamav3", 1]["weight_gb"]), float(rows["exllamav3", 8]["weight_gb"])
     assert 1.2 < one < 1.6 and 3.4 < eight < 4.2
