@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "gpu-runs"
 GIB = 1 << 30
+# the engine flags of ci/gpu-run.sh's compare stage (runs 22 and 23), LoRA rank 8 where LoRA is on
+COMPARE_ENGINE = dict(utilization=0.15, max_model_len=832, max_num_seqs=64, language_model_only=True, max_lora_rank=8)
 sys.path.insert(0, str(ROOT / "bench"))
 
 
@@ -259,15 +261,7 @@ def rows() -> list[dict]:
                 "(aphrodite run, --kv-cache-memory-bytes 12 GiB)",
                 f"run23/{log}",
                 moe,
-                memplan.Engine(
-                    139.8,
-                    max_model_len=832,
-                    max_num_seqs=64,
-                    language_model_only=True,
-                    release=release,
-                    lora=lora,
-                    max_lora_rank=8,
-                ),
+                memplan.Engine(139.8, release=release, lora=lora, **COMPARE_ENGINE),
                 (run23 / log).read_text(errors="replace"),
                 12 << 30,
             )

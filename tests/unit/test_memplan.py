@@ -237,8 +237,6 @@ def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_rang
 RUN20 = ROOT / "docs" / "gpu-runs" / "2026-12-03-run20"
 RUN22 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run22"
 RUN23 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run23"
-# the compare stage's engine flags (ci/gpu-run.sh compare; runs 22 and 23's COMMANDS.md), LoRA rank 8
-RUN22_ENGINE = dict(utilization=0.15, max_model_len=832, max_num_seqs=64, language_model_only=True, max_lora_rank=8)
 
 
 @pytest.mark.parametrize("run", [RUN22, RUN23], ids=["run22", "run23"])
@@ -262,7 +260,7 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, r
     shape = parse_config(inputs["config.json"])[0]
     lora = variant.endswith("-lora")
     release = "0.21.0" if "0.21" in variant else "0.24.1"
-    eng = memplan.Engine(139.8, lora=lora, release=release, **RUN22_ENGINE)
+    eng = memplan.Engine(139.8, lora=lora, release=release, **report.COMPARE_ENGINE)
     terms = memplan.plan(shape, inputs["tensors"], eng, True)["terms"]
     loading = memplan.loading_bytes(terms)
     assert abs(loading / memplan.GIB - logged) < 0.05, (loading / memplan.GIB, logged)
