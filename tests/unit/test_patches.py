@@ -163,7 +163,8 @@ def _dense_base():
 
 @needs_buggy
 def test_probes_report_the_bugs_and_apply_clears_them(overlay):
-    results = [r for r in overlay.apply_all() if r.patch.id != "P3"]  # P3: test_p3_gemm_cache.py
+    # P3 and P8: test_p3_gemm_cache.py, test_p8_kernel_choice.py
+    results = [r for r in overlay.apply_all() if r.patch.id not in ("P3", "P8")]
     assert [(r.patch.id, r.status.value) for r in results] == [
         ("P1", "APPLIED"),
         ("P2", "APPLIED"),
@@ -217,8 +218,9 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     from hybrid_exl3_fixes.registry import Registry
 
     fresh = Registry(overlay.PATCHES)
-    # (P3 has nothing to patch in this CI tree: no compiled kernels; see test_p3_gemm_cache.py)
-    again = {fresh.apply(p).reason for p in overlay.PATCHES if p.id != "P3" and p.id in overlay.REGISTRY.applied_ids()}
+    # (P3 and P8 have nothing to patch in this CI tree: no compiled kernels; see test_p3_gemm_cache.py)
+    applied = overlay.REGISTRY.applied_ids()
+    again = {fresh.apply(p).reason for p in overlay.PATCHES if p.id not in ("P3", "P8") and p.id in applied}
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
@@ -245,6 +247,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P2": "APPLIED",
         "P2b": "APPLIED",
         "P3": NO_KERNELS,
+        "P8": NO_KERNELS,
         "P4": "APPLIED",
         "P5": "APPLIED",
         "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
@@ -354,13 +357,13 @@ def test_undo_is_last_in_first_out(overlay):
 
 
 def test_the_patches_that_check_a_tag_after_apply_say_so():
-    """P3, P9 and P10 recognise themselves after apply by the tag on the replaced function (their bug is in a
+    """P3, P8, P9 and P10 recognise themselves after apply by the tag on the replaced function (their bug is in a
     GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P9", "P10"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10"}
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason

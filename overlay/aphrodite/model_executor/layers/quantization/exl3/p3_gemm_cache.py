@@ -33,11 +33,11 @@ from typing import Any
 
 from hybrid_exl3_fixes.exl3 import dispatch
 from hybrid_exl3_fixes.registry import (
-    MARKER,
     Drift,
     Live,
     NotApplicable,
     Patch,
+    Registry,
     Target,
     logger,
 )
@@ -86,7 +86,7 @@ def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
         raise Drift(evidence)
     if verdict == dispatch.CODEBOOK_KEYED:
         return False
-    return getattr(live[PROCESS_WEIGHTS.key].function, MARKER, None) != "P3"
+    return "P3" not in Registry._tags(live[PROCESS_WEIGHTS.key].raw)  # P8 may wrap P3's replacement
 
 
 def build_load_time_plan(live: dict[str, Live]) -> dict[str, Any]:
