@@ -12,6 +12,8 @@
 #   cal:NAMES              make-tiny's calibration checkpoints, then bench/memory_calibration.py --only NAMES
 #                          (comma list; empty: all), the machine alone for the profiled rows
 #   serving                bench/run-serving.sh HXF_BENCH_SECONDS (default 900): the 27B-width serving benchmark
+#   kernels                bench/exl3_kernel_choice.py on RELEASE (0.21: P8's per-kernel times, the 27B's projections
+#                          at 1/8/16/32 rows); best alone on the GPU (run it before the engines start)
 #   exllamav3-build        exllamav3's extension from .cache/wheels/exllamav3-1.6.5-py3-none-any.whl (16 min of
 #                          CPU), gzipped to RESULTS/exllamav3_ext.so.gz, to be carried as .cache/exllamav3-ext/
 #   state-dtype:PRESET     make-tiny PRESET (a full-depth one) on the GPU, then bench/same_run.py: the config's
@@ -29,7 +31,8 @@
 #                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.21,0.21-lora,exllamav3), HXF_CMP_AFTER (stages, comma list,
+#                          subset of 0.24,0.24-lora,0.21,0.21-lora,0.21-nop8,exllamav3; 0.21-nop8: 0.21.0 with P8
+#                          switched off, the before of P8's before/after), HXF_CMP_AFTER (stages, comma list,
 #                          whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds the weights
 #                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
 #                          35B-A3B variants do not fit one H200
@@ -105,6 +108,8 @@ compare() {  # PRESET
     local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
     has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
     has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$common $lora" --variant-env "aphrodite-$rel-lora=$env")
+    has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
+      --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
   done
   if has exllamav3; then  # started by same_run.py once the extension is unpacked: the engines do not wait for it
     local ready=/tmp/hxf-exl3-ready x3
@@ -163,6 +168,7 @@ for stage in "$@"; do
     cal) cal "$arg" ;;
     serving) serving ;;
     exllamav3-build) exllamav3_build ;;
+    kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
     *) echo "gpu-run: unknown stage $name" ;;
   esac; touch "$ROOT/$name.done"; } > "$ROOT/$name.log" 2>&1 &
   i=$((i + 1))
