@@ -4,7 +4,8 @@ against the launches P8 measures and the one it picks, on the GPU; and the step 
     python3 bench/exl3_kernel_choice.py --out DIR          # on the GPU machine, aphrodite 0.20 - 0.23 importable
     python3 bench/exl3_kernel_choice.py --report DIR/exl3_kernel_choice.json --out bench/results   # anywhere
 
-Paths, each on random EXL3 weights of the layer's shape and bits (mcg, as make-tiny and exllamav3 write them):
+Paths, each on random EXL3 weights of the layer's shape and bits (``random_layer``; decoded as mcg, as make-tiny and
+exllamav3 write them):
   single projections (``exl3_gemm`` at <= 32 rows; GDN in_proj_qkv, in_proj_z, out_proj, o_proj, down_proj, the
   6-bit head; q of the attention's q/k/v, which runs inside aphrodite's ``exl3_qkv`` op and P8 leaves alone):
   ``native`` aphrodite's table launch, ``heuristic`` exllamav3's shape heuristic (P3's uncached launch), ``p8`` the
@@ -43,7 +44,22 @@ PROJECTIONS = [
 ]
 
 
-def measure(out: Path, rounds: int) -> None:
+def random_layer(k, n, K, gen, dev, torch, codec) -> dict:
+    """Random EXL3 tensors of a ``k x n`` layer at ``K`` bits, made on the GPU: any 16-bit words are a valid
+    trellis (a stream of K-bit symbols), and the signs are scaled as make-tiny's (``codec.sign_scale``). Made
+    directly, not through ``codec.random_exl3_linear``, whose int64 symbols of the 6-bit head alone take 10 GB of
+    host memory."""
+    trellis = torch.randint(-(1 << 15), 1 << 15, (k // 16, n // 16, 16 * K), generator=gen, dtype=torch.int32)
+    root = codec.sign_scale("mcg", 0.02)
+    signs = [(torch.randint(0, 2, (size,), generator=gen) * 2 - 1) * root for size in (k, n)]
+    return {
+        "trellis": trellis.to(torch.int16).to(dev),
+        "suh": signs[0].to(torch.float16).to(dev),
+        "svh": signs[1].to(torch.float16).to(dev),
+    }
+
+
+def measure(out: Path, rounds: int, only: list[str]) -> None:
     import torch
 
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p8_kernel_choice as p8
@@ -60,8 +76,9 @@ def measure(out: Path, rounds: int) -> None:
     report["aphrodite"] = aphrodite.__version__
     for name, k, n, K, count, path in PROJECTIONS:
         t0 = time.perf_counter()
-        mats = [codec.random_exl3_linear(k, n, K, "mcg", gen) for _ in range(2 if path == "mgemm" else 1)]
-        mats = [{key: v.to(dev) for key, v in m.items()} for m in mats]
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        mats = [random_layer(k, n, K, gen, dev, torch, codec) for _ in range(2 if path == "mgemm" else 1)]
         launches = choice.candidates(cc, k, n, K, sms)
         if path == "mgemm":
             times = mgemm_times(mats, K, launches, torch, p8, choice, dispatch)
@@ -236,6 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--only", default="", help="comma list: measure the projections whose names start so")
     ap.add_argument("--report", type=Path, help="render this measurement's JSON into OUT (no GPU)")
     args = ap.parse_args()
     if args.report is not None:
@@ -245,7 +263,7 @@ def main() -> None:
             sys.exit(f"exl3_kernel_choice: cannot read {args.report}: {exc}")
         print(render(report, Path(args.out)))
         return
-    measure(Path(args.out), args.rounds)
+    measure(Path(args.out), args.rounds, [o for o in args.only.split(",") if o])
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def plan_layer(method, layer, measure=None, device=None) -> dict:
         if choice.routes_anything(picked):
             chosen[shard] = picked
     if chosen:
+        chosen_linear()  # registered now: torch.compile cannot trace an op's registration at the first call
         previous = vars(method).get("_apply_one")
         _CHANGED.append((method, layer, previous))
         layer.hxf_exl3_chosen = chosen
