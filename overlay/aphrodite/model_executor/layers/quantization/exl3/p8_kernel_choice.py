@@ -5,9 +5,9 @@ Target: ``aphrodite/model_executor/layers/quantization/exl3.py``.
 Why:     ``_exl3_linear_one`` sends <= 32 rows to ``ops.exl3_gemm`` with ``force_shape_idx = -1``; in 0.20 - 0.23
          the kernel's tiling and SM count are then the nearest entry of the port's sample tables
          (``select_exl3_gemm_mgemm_kernel_new``, csrc/.../exl3_kernel_map.cu), one choice per shape for every row
-         count. On an H200 that choice is 5-24 % slower than other launches of the same kernel family for the
-         Qwen3.6-27B projections at 1 and 8 rows, and at one request these GEMMs are the decode step
-         (docs/upstream/exl3-small-batch-kernel-choice.md).
+         count. On an H200 the fastest launch of the same kernels takes 0.83-0.89 of that choice's time for some
+         Qwen3.6-27B projections (down_proj at every row count), and at one request these GEMMs are the decode
+         step (docs/upstream/exl3-small-batch-kernel-choice.md).
 How:     after the original ``process_weights_after_loading`` (and P3's plan), each shard that takes ``exl3_gemm``
          at <= 32 rows is timed on its own weights, once per (shape, bits, codebook) and device in the process:
          the native launch against the uncached launches of every tiling shape (``choice.candidates``) at 1, 8,

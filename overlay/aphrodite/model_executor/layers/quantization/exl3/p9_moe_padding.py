@@ -23,7 +23,7 @@ Probe:   NOT_APPLICABLE where no router marks padding rows in the top-k ids EXL3
          0.22.0 does it in the modular kernel only, which EXL3 MoE does not use); buggy when the live
          ``apply``'s source never compares ``topk_ids`` with 0 nor clamps it.
 Upstream: not reported yet; the upstream-ready diff is patches/0009-exl3-moe-padding-expert-ids.patch.
-         (P8 is kept for the small-row kernel choice of docs/upstream/exl3-small-batch-kernel-choice.md.)
+         (P8, numbered before it, is the small-row kernel choice of docs/upstream/exl3-small-batch-kernel-choice.md.)
 Workaround without the overlay: ``APHRODITE_MOE_SKIP_PADDING=0``.
 Retire when: an aphrodite release treats expert id -1 as a skip in ``Exl3MoEMethod.apply`` and is the oldest
          supported one.
