@@ -178,17 +178,14 @@ def _routed_apply_one(self, layer, x, shard_id):
     route = layer.hxf_exl3_routes.get(shard_id)
     if route is None:
         return type(self)._apply_one(self, layer, x, shard_id)
+    return routed_linear()(x, *shard_operands(layer, shard_id), route[0], route[1])
+
+
+def shard_operands(layer, shard_id) -> tuple:
+    """(trellis, suh, svh, mcg, mul1) of one shard: the operands of an EXL3 GEMM launch."""
     mcg, mul1 = CODEBOOK_FLAGS[codebook_of(layer, shard_id)]
-    return routed_linear()(
-        x,
-        layer.trellis.exl3_tensors[shard_id],
-        layer.suh.exl3_tensors[shard_id],
-        layer.svh.exl3_tensors[shard_id],
-        mcg,
-        mul1,
-        route[0],
-        route[1],
-    )
+    tensors = (layer.trellis, layer.suh, layer.svh)
+    return (*(t.exl3_tensors[shard_id] for t in tensors), mcg, mul1)
 
 
 _ROUTED_OP = None

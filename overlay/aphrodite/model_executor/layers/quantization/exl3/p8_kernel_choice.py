@@ -149,18 +149,8 @@ def _chosen_apply_one(self, layer, x, shard_id):
         if shard_id in (getattr(layer, "hxf_exl3_routes", None) or {}):
             return p3._routed_apply_one(self, layer, x, shard_id)
         return type(self)._apply_one(self, layer, x, shard_id)
-    mcg, mul1 = p3.CODEBOOK_FLAGS[p3.codebook_of(layer, shard_id)]
-    return chosen_linear()(
-        x,
-        layer.trellis.exl3_tensors[shard_id],
-        layer.suh.exl3_tensors[shard_id],
-        layer.svh.exl3_tensors[shard_id],
-        mcg,
-        mul1,
-        [step[0] for step in picked],
-        [step[1] for step in picked],
-        [step[2] for step in picked],
-    )
+    steps = [list(column) for column in zip(*picked)]  # max_rows, shapes, sms
+    return chosen_linear()(x, *p3.shard_operands(layer, shard_id), *steps)
 
 
 _CHOSEN_OP = None
@@ -187,10 +177,8 @@ def chosen_linear():
                 break
         output = torch.empty((rows, trellis.shape[1] * 16), device=x.device, dtype=torch.float16)
         x_had = torch.empty_like(x)
-        if shape_idx == choice.NATIVE:
-            ops.exl3_gemm(x, trellis, output, suh, x_had, svh, -1, mcg, mul1, 0)
-        else:
-            ops.exl3_gemm(x, trellis, output, suh, x_had, svh, shape_idx, mcg, mul1, num_sms)
+        # (NATIVE, 0) is aphrodite's own arguments: the table's launch
+        ops.exl3_gemm(x, trellis, output, suh, x_had, svh, shape_idx, mcg, mul1, num_sms)
         return output
 
     op = torch.library.custom_op(
