@@ -120,7 +120,8 @@ def plan_layer(method, layer, measure=None, device=None) -> dict:
         chosen_linear()  # registered now: torch.compile cannot trace an op's registration at the first call
         previous = vars(method).get("_apply_one")
         _CHANGED.append((method, layer, previous))
-        layer.hxf_exl3_chosen = chosen
+        # per shard the op's three step lists (max_rows, shapes, sms), made once here rather than at every call
+        layer.hxf_exl3_chosen = {shard: [list(column) for column in zip(*steps)] for shard, steps in chosen.items()}
         method._apply_one = types.MethodType(_chosen_apply_one, method)
     return chosen
 
@@ -144,12 +145,11 @@ def _device_facts(device) -> tuple[int, str, int]:
 
 
 def _chosen_apply_one(self, layer, x, shard_id):
-    picked = layer.hxf_exl3_chosen.get(shard_id)
-    if picked is None:
+    steps = layer.hxf_exl3_chosen.get(shard_id)
+    if steps is None:
         if shard_id in (getattr(layer, "hxf_exl3_routes", None) or {}):
             return p3._routed_apply_one(self, layer, x, shard_id)
         return type(self)._apply_one(self, layer, x, shard_id)
-    steps = [list(column) for column in zip(*picked)]  # max_rows, shapes, sms
     return chosen_linear()(x, *p3.shard_operands(layer, shard_id), *steps)
 
 
