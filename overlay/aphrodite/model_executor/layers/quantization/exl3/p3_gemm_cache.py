@@ -76,9 +76,11 @@ def reset_state() -> None:
     _warned = False
 
 
-def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
-    """Read the installed kernel library's dispatch (its dynamic symbols, ~1 ms, no GPU): a
-    codebook-blind cache is a bug until this patch plans the loads; True = buggy."""
+def table_dispatch_unpatched(live: dict[str, Live], patch_id: str) -> bool:
+    """The probe P3 and P8 share: the installed kernel library's dispatch (its dynamic symbols, ~1 ms, no GPU).
+    0.20 - 0.23's sample-table cache (codebook-blind) -> True until ``patch_id``'s tag is on the loader (P8 may wrap
+    P3's replacement, so the whole wrapper chain is read); 0.24's autotuner -> False; no EXL3 GEMM -> NotApplicable;
+    an unknown dispatch -> Drift."""
     verdict, evidence = dispatch.classify_build(dispatch.installed_kernel_libraries())
     if verdict is None:
         raise NotApplicable(evidence)
@@ -86,7 +88,12 @@ def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
         raise Drift(evidence)
     if verdict == dispatch.CODEBOOK_KEYED:
         return False
-    return "P3" not in Registry._tags(live[PROCESS_WEIGHTS.key].raw)  # P8 may wrap P3's replacement
+    return patch_id not in Registry._tags(live[PROCESS_WEIGHTS.key].raw)
+
+
+def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
+    """A codebook-blind cache is a bug until this patch plans the loads; True = buggy."""
+    return table_dispatch_unpatched(live, "P3")
 
 
 def build_load_time_plan(live: dict[str, Live]) -> dict[str, Any]:

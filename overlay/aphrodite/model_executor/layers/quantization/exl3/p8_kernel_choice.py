@@ -31,7 +31,7 @@ import types
 from typing import Any
 
 from hybrid_exl3_fixes.exl3 import choice, dispatch
-from hybrid_exl3_fixes.registry import Patch, Registry, logger
+from hybrid_exl3_fixes.registry import Patch, logger
 
 from . import p3_gemm_cache as p3
 from .common import after_loading
@@ -60,16 +60,9 @@ def reset_state() -> None:
 
 
 def probe_table_kernel_choice(live) -> bool:
-    """The installed kernel library's dispatch (its dynamic symbols, no GPU): the sample-table choice of 0.20 -
-    0.23 is what P8 replaces; 0.24's autotuner is the fix upstream. True = the table choice is there."""
-    verdict, evidence = dispatch.classify_build(dispatch.installed_kernel_libraries())
-    if verdict is None:
-        raise p3.NotApplicable(evidence)
-    if verdict == dispatch.UNKNOWN_DISPATCH:
-        raise p3.Drift(evidence)
-    if verdict == dispatch.CODEBOOK_KEYED:
-        return False
-    return "P8" not in Registry._tags(live[p3.PROCESS_WEIGHTS.key].raw)
+    """The sample-table choice of 0.20 - 0.23 is what P8 replaces; 0.24's autotuner is the fix upstream. True = the
+    table choice is there and P8 is not."""
+    return p3.table_dispatch_unpatched(live, "P8")
 
 
 def build(live) -> dict[str, Any]:
