@@ -8,9 +8,10 @@ RUN.json: same_run.py's results; INPUTS.json: the checkpoint's config and tensor
 xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind. Writes
 ``compare_<model>`` (or ``--stem``) ``.csv``, ``.md`` and ``.png``: per variant and concurrency the median and
 spread (min-max over the repeats) of per-request and decode tok/s by same_run's one formula, the time to first
-token, the ratio to the exllamav3 variant's per-request median at the same level, each release's adapter against
-its base, and the memory roofline of the step (bench/roofline.py: for a MoE the expected distinct experts of N x k
-routes).
+token, the ratio to the exllamav3 variant's per-request median at the same level (with the spread of the ratios of
+the repeats, each a pair measured back to back), each release's adapter against its base, P8 on against off (a
+NAME-nop8 variant), and the memory roofline of the step (bench/roofline.py: for a MoE the expected distinct experts
+of N x k routes).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
             ref = (run["summary"].get(x3) or {}).get(str(n)) if x3 and name != x3 else None
             ref = (ref or {}).get("per_request_tok_s", {}).get("median")
             row["over_exllamav3"] = round(row["per_request"] / ref, 3) if ref else None
+            paired = repeat_ratios(run, name, x3, n) if ref else []
+            row["over_exllamav3_min"] = min(paired, default=row["over_exllamav3"])
+            row["over_exllamav3_max"] = max(paired, default=row["over_exllamav3"])
             r = roof[n]
             row.update(
                 weight_gb=r["weight_gb"], state_gb=r["state_gb"], kv_gb=r["kv_gb"], roofline_step_ms=r["step_ms"]
@@ -63,13 +67,39 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
     return out
 
 
-def lora_pairs(run: dict) -> list[tuple[str, str]]:
-    """(base, adapter) variant pairs: NAME and NAME-lora, as ci/gpu-run.sh's compare stage names them."""
-    return [
-        (n[: -len("-lora")], n)
-        for n in run["variants"]
-        if n.endswith("-lora") and n[: -len("-lora")] in run["variants"]
-    ]
+def repeat_ratios(run: dict, name: str, ref: str, n: int) -> list[float]:
+    """NAME's per-request tok/s over REF's at level N, one ratio per repeat both measured: the two ran back to back
+    in that repeat (same_run.py alternates the variants' order), so these ratios' spread is the comparison's own."""
+    speed = {
+        (r["variant"], r["repeat"]): r.get("per_request_tok_s")
+        for r in run.get("runs", [])
+        if r.get("concurrency") == n and r.get("variant") in (name, ref)
+    }
+    return sorted(
+        round(speed[name, k] / speed[ref, k], 3)
+        for (v, k) in speed
+        if v == name and speed[name, k] and speed.get((ref, k))
+    )
+
+
+# Variant pairs ci/gpu-run.sh's compare stage names NAME and NAME-SUFFIX: (suffix, which is measured over which, what
+# the ratio says). An adapter over its base; P8's before/after: the overlay as installed over the same release with
+# HYBRID_EXL3_FIXES_DISABLE=P8.
+PAIRS = (
+    ("-lora", "adapter", "the adapter's speed as a share of its base"),
+    ("-nop8", "p8", "P8 on over P8 off (HYBRID_EXL3_FIXES_DISABLE=P8): above 1, P8 is faster"),
+)
+
+
+def pairs(run: dict) -> list[tuple[str, str, str]]:
+    """(numerator, denominator, what) variant pairs: NAME-lora over NAME, NAME over NAME-nop8."""
+    out = []
+    for n in run["variants"]:
+        for suffix, kind, what in PAIRS:
+            base = n[: -len(suffix)]
+            if n.endswith(suffix) and base in run["variants"]:
+                out.append((n, base, what) if kind == "adapter" else (base, n, what))
+    return out
 
 
 def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> list[str]:
@@ -106,24 +136,29 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     ]
     for r in sorted(table, key=lambda r: (r["concurrency"], r["variant"])):
         cells = [spread({"median": r[k], "min": r[f"{k}_min"], "max": r[f"{k}_max"]}) for k in METRICS]
-        ratio = f"{r['over_exllamav3'] if r['over_exllamav3'] is not None else '-'} | " if x3 else ""
+        over = {"median": r["over_exllamav3"], "min": r["over_exllamav3_min"], "max": r["over_exllamav3_max"]}
+        ratio = f"{spread(over)} | " if x3 else ""
         md.append(
             f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | "
             f"{ratio}{r['roofline_per_request']} | {r['of_roofline']} |"
         )
     by = {(r["variant"], r["concurrency"]): r for r in table}
-    for base, lora in lora_pairs(run):
-        # the adapter's cost as time: a request's time per token grows by 1/lora - 1/base (a fixed cost a step
-        # shows as the same number of ms at every N, where the ratios fall with N)
-        lines = [
-            f"- N = {n}: per-request {by[lora, n]['per_request'] / by[base, n]['per_request']:.3f}, decode "
-            f"{by[lora, n]['decode'] / by[base, n]['decode']:.3f}; a request's time per token "
-            f"+{1000 / by[lora, n]['per_request'] - 1000 / by[base, n]['per_request']:.2f} ms"
-            for n in sorted({r["concurrency"] for r in table})
-            if (base, n) in by and (lora, n) in by and by[base, n]["decode"]
-        ]
+    for num, den, what in pairs(run):
+        # the difference as time: a request's time per token changes by 1/num - 1/den (a fixed cost a step shows as
+        # the same number of ms at every N, where the ratios fall with N)
+        lines = []
+        for n in sorted({r["concurrency"] for r in table}):
+            if (num, n) not in by or (den, n) not in by or not by[den, n]["decode"]:
+                continue
+            paired = repeat_ratios(run, num, den, n)
+            lo_hi = f" ({paired[0]:.3f}-{paired[-1]:.3f} over the repeats)" if len(paired) > 1 else ""
+            ms = 1000 / by[num, n]["per_request"] - 1000 / by[den, n]["per_request"]
+            lines.append(
+                f"- N = {n}: per-request {by[num, n]['per_request'] / by[den, n]['per_request']:.3f}{lo_hi}, decode "
+                f"{by[num, n]['decode'] / by[den, n]['decode']:.3f}; a request's time per token {ms:+.2f} ms"
+            )
         if lines:
-            md += ["", f"{lora} / {base} (medians):", "", *lines]
+            md += ["", f"{num} / {den} (medians; {what}):", "", *lines]
     ns = sorted({r["concurrency"] for r in table})
     md += ["", "| N | weights GB/step | KV GB/step | state GB/step | roofline step ms |", "|---|---|---|---|---|"]
     for n in ns:

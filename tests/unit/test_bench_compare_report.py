@@ -119,3 +119,31 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, content):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("compare_report.py: error: ")
     assert not out.exists()
+
+
+def test_ratios_carry_the_spread_of_the_repeats_and_a_nop8_variant_gives_p8s_before_and_after(tmp_path):
+    run = fake_run()
+    run["variants"]["aphrodite-0.24-nop8"] = dict(run["variants"]["aphrodite-0.24"])
+    run["summary"]["aphrodite-0.24-nop8"] = {
+        str(n): {k: stat(v["median"] / 1.05) for k, v in run["summary"]["aphrodite-0.24"][str(n)].items()}
+        for n in (1, 8)
+    }
+    # each repeat's own speeds: aphrodite-0.24 at N = 1 against exllamav3 0.70, 0.75, 0.80; P8 off 1.02, 1.05, 1.08
+    speeds = {"aphrodite-0.24": (140.0, 150.0, 160.0), "exllamav3": (200.0,) * 3}
+    speeds["aphrodite-0.24-nop8"] = tuple(round(a / b, 4) for a, b in zip(speeds["aphrodite-0.24"], (1.02, 1.05, 1.08)))
+    run["runs"] = [
+        {"variant": v, "concurrency": 1, "repeat": k, "per_request_tok_s": s}
+        for v, ss in speeds.items()
+        for k, s in enumerate(ss)
+    ]
+    rows, md = report(tmp_path, run)
+    r = rows["aphrodite-0.24", 1]
+    assert (float(r["over_exllamav3_min"]), float(r["over_exllamav3_max"])) == (0.7, 0.8)
+    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 (0.7-0.8) |" in md
+    assert "aphrodite-0.24 / aphrodite-0.24-nop8 (medians; P8 on over P8 off" in md
+    # 1000/133.33 - 1000/(133.33/1.05): P8 on saves 0.38 ms a token (medians rounded to 2 decimals)
+    assert (
+        "- N = 1: per-request 1.050 (1.020-1.080 over the repeats), decode 1.050; a request's time per token -0.38 ms"
+        in md
+    )
+    assert "aphrodite-0.24-lora / aphrodite-0.24 (medians; the adapter's speed as a share of its base)" in md
