@@ -19,7 +19,7 @@ from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
 from .aphrodite.lora.layers import utils as _p2
 from .aphrodite.model_executor.layers.fused_moe.runner import shared_experts as _p6
-from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4, P7, P8, P9 and P10
+from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4, P7, P8, P9, P10 and P12
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
 
 __all__ = [
@@ -44,6 +44,7 @@ PATCHES: list[Patch] = [
     _p2b.PATCH,
     _p1.PATCH_P3,
     _p1.PATCH_P8,  # after P3: it chooses launches only for the shards P3 leaves on aphrodite's path
+    _p1.PATCH_P12,  # after P3 and P8 (0.20 - 0.23), whose wrapper it would wrap; alone on 0.24+
     _p1.PATCH_P4,
     _p5.PATCH,
     _p6.PATCH,

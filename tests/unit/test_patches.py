@@ -169,6 +169,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P1", "APPLIED"),
         ("P2", "APPLIED"),
         ("P2b", "APPLIED"),
+        ("P12", "NOT_APPLICABLE"),  # 0.20/0.21 rebuild above 32 rows (test_p12_mid_batch.py)
         ("P4", "APPLIED"),
         ("P5", "APPLIED"),
         ("P6", "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED"),
@@ -248,6 +249,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P2b": "APPLIED",
         "P3": NO_KERNELS,
         "P8": NO_KERNELS,
+        "P12": "NOT_APPLICABLE",  # 0.20/0.21 have no 144-row threshold
         "P4": "APPLIED",
         "P5": "APPLIED",
         "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
@@ -302,7 +304,9 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P10"].status.value == ("APPLIED" if skips_idle else "NOT_APPLICABLE"), results["P10"].reason
     # P11 on every release (each reads lm_head.weight; 0.24+ reach it for Qwen3.5/3.6)
     assert results["P11"].status.value == "APPLIED", results["P11"].reason
-    applied = 7 + padding_ids + skips_idle
+    # P12 from 0.24.0 (the 144-row threshold); 0.22/0.23 rebuild above 32 rows
+    assert results["P12"].status.value == ("APPLIED" if skips_idle else "NOT_APPLICABLE"), results["P12"].reason
+    applied = 7 + padding_ids + 2 * skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
@@ -363,7 +367,7 @@ def test_the_patches_that_check_a_tag_after_apply_say_so():
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12"}
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason

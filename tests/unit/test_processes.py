@@ -74,6 +74,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P2b": "APPLIED",
             "P3": NO_KERNELS,
             "P8": NO_KERNELS,
+            "P12": "NOT_APPLICABLE",
             "P4": "APPLIED",
             "P5": "APPLIED",
             "P6": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED",
@@ -97,6 +98,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         idle_launch = APHRODITE_VERSION in ("0.22.0", "0.23.0")
         assert out["results"]["P10"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")
         assert out["results"]["P11"] == "APPLIED"  # the LoRA wrapper of an EXL3 lm_head, every release
+        assert out["results"]["P12"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")  # the 144-row threshold, 0.24+
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -294,6 +296,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P2b": "UPSTREAM_FIXED",
         "P3": NO_KERNELS,
         "P8": NO_KERNELS,
+        "P12": "NOT_APPLICABLE",  # 0.24+ only
         "P4": "UPSTREAM_FIXED",
         "P5": "UPSTREAM_FIXED",
         "P6": "UPSTREAM_FIXED",
