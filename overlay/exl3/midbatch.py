@@ -78,7 +78,7 @@ def decide(times: Mapping[int, Mapping[str, float]], margin: float = MARGIN) -> 
 
 
 def path_for(steps: Steps, rows: int) -> str:
-    """The path ``steps`` takes for a call of ``rows`` rows: the first step with ``rows <= max_rows``, the last above."""
+    """The path ``steps`` takes for ``rows`` rows: the first step with ``rows <= max_rows``; the last one above."""
     for max_rows, path in steps:
         if rows <= max_rows:
             return path

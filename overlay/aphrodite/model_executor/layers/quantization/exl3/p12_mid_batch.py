@@ -113,7 +113,12 @@ def plan_layer(method, layer, measure=None) -> midbatch.Steps:
         if budget.take(nbytes):
             weight = effective_weight(method, layer, in_features, out_features, first.device)
         else:
-            logger.info("hybrid-exl3-fixes: P12: %s (%d -> %d) is over the keep budget", name, in_features, out_features)
+            logger.info(
+                "hybrid-exl3-fixes: P12: %s (%d -> %d) is over the keep budget",
+                name,
+                in_features,
+                out_features,
+            )
     key = (
         index,
         weight is not None,
