@@ -38,7 +38,8 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
 
     shape = parse_config(inputs["config.json"])[0]
     ns = sorted({int(n) for levels in run["summary"].values() for n in levels})
-    roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, 512, 256)}
+    prompt, output = run.get("prompt", 512), run.get("output", 256)
+    roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, prompt, output)}
     x3 = next((n for n, v in run["variants"].items() if is_exllamav3(v)), None)
     out = []
     for name, levels in run["summary"].items():
@@ -87,12 +88,16 @@ def repeat_ratios(run: dict, name: str, ref: str, n: int) -> list[float]:
 # HYBRID_EXL3_FIXES_DISABLE=P8.
 PAIRS = (
     ("-lora", "adapter", "the adapter's speed as a share of its base"),
+    ("-lora-tuned", "adapter", "the adapter with tuned LoRA kernel configs as a share of its base"),
+    ("-tuned", "adapter", "tuned LoRA kernel configs over the default ones: above 1, the tuned are faster"),
     ("-nop8", "p8", "P8 on over P8 off (HYBRID_EXL3_FIXES_DISABLE=P8): above 1, P8 is faster"),
+    ("-nop12", "p12", "P12 on over P12 off (HYBRID_EXL3_FIXES_DISABLE=P12): above 1, P12 is faster"),
 )
 
 
 def pairs(run: dict) -> list[tuple[str, str, str]]:
-    """(numerator, denominator, what) variant pairs: NAME-lora over NAME, NAME over NAME-nop8."""
+    """(numerator, denominator, what) variant pairs: NAME-lora and NAME-lora-tuned over NAME, NAME-lora-tuned over
+    NAME-lora, NAME over NAME-nop8 and NAME-nop12."""
     out = []
     for n in run["variants"]:
         for suffix, kind, what in PAIRS:
@@ -126,7 +131,8 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     # the ratio column only where the run has an exllamav3 variant to divide by
     x3 = any(is_exllamav3(v) for v in run["variants"].values())
     md += [
-        f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt 512 + output 256; the "
+        f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt {run.get('prompt', 512)} "
+        f"+ output {run.get('output', 256)}; the "
         "weights a step reads count the expected distinct routed experts of N x k routes.",
         "",
         "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | "

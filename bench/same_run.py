@@ -67,6 +67,17 @@ def variant_env(text: str) -> tuple[str, dict]:
     return name.strip(), env
 
 
+def variant_levels(text: str) -> tuple[str, list[int]]:
+    name, sep, value = text.partition("=")
+    try:
+        levels = [int(c) for c in value.split(",")]
+    except ValueError:
+        levels = []
+    if not sep or not name or not levels:
+        raise argparse.ArgumentTypeError(f"--levels takes NAME=N,N (integers), got {text!r}")
+    return name, levels
+
+
 def start_after(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
@@ -128,6 +139,15 @@ def parser() -> argparse.ArgumentParser:
         "with text in it: leave NAME out, that text its reason",
     )
     p.add_argument("--concurrency", default="1,32,64,128")
+    p.add_argument(
+        "--levels",
+        type=variant_levels,
+        action="append",
+        default=[],
+        metavar="NAME=N,N",
+        help="the levels variant NAME runs (a subset of --concurrency; default all): its warm-up and exllamav3's "
+        "batch size follow its largest",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=256)
@@ -161,14 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n, _ in args.variant] + args.exllamav3
     if len(set(names)) != len(names):
         parser().error(f"variant names repeat: {names}")
-    envs, holds = dict(args.variant_env), dict(args.start_after)
-    for flag, given in (("--variant-env", envs), ("--start-after", holds)):
+    envs, holds, own = dict(args.variant_env), dict(args.start_after), dict(args.levels)
+    for flag, given in (("--variant-env", envs), ("--start-after", holds), ("--levels", own)):
         if set(given) - set(names):
             parser().error(f"{flag} names no variant: {sorted(set(given) - set(names))}")
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         parser().error(f"--concurrency takes a comma list of integers, not {args.concurrency!r}")
+    for name, subset in own.items():
+        if set(subset) - set(levels):
+            parser().error(f"--levels {name}: {sorted(set(subset) - set(levels))} not in --concurrency")
+
+    def levels_of(name: str) -> list[int]:
+        return own.get(name, levels)
+
     from exl3_worker import Exl3Worker
 
     from server import Server
@@ -191,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.exllamav3:
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
         servers[name] = Exl3Worker(
-            name, str(args.model_dir), log, envs.get(name, {}), max(levels), args.prompt, args.output
+            name, str(args.model_dir), log, envs.get(name, {}), max(levels_of(name)), args.prompt, args.output
         )
     cancel = threading.Event()
     waiting = {n: held_start(servers[n], holds[n], t0 + args.start_timeout, cancel) for n in servers if n in holds}
@@ -202,12 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     out["prompts"] = "seeded by level_seed(concurrency, repeat): fresh per level and repeat, shared by variants"
     out["variants"] = {n: {"command": s.command} for n, s in servers.items()}
     out["levels"], out["repeats"], out["runs"] = levels, args.repeats, []
+    out["prompt"], out["output"] = args.prompt, args.output
+    if own:
+        out["variant_levels"] = {n: levels_of(n) for n in servers}
 
     def save() -> None:
         out["summary"] = {
             n: {
                 str(c): summarise([r for r in out["runs"] if r["variant"] == n and r["concurrency"] == c])
-                for c in levels
+                for c in levels_of(n)
             }
             for n in servers
         }
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             out["variants"][name]["warmup"] = asyncio.run(
                 level(url, model, prompts(1, args.prompt, vocab, seed=99), 16)
             )
-            asyncio.run(level(url, model, prompts(max(levels), args.prompt, vocab, seed=98), 16))
+            asyncio.run(level(url, model, prompts(max(levels_of(name)), args.prompt, vocab, seed=98), 16))
         held = time.monotonic()
         while any(not f.exists() for f in args.hold_until) and time.monotonic() - t0 < args.deadline:
             time.sleep(2)
@@ -258,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             order = live if rep % 2 == 0 else live[::-1]
             for n in levels:
                 for name in order:
+                    if n not in levels_of(name):
+                        continue
                     if time.monotonic() - t0 > args.deadline:
                         out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name}
                         return 0

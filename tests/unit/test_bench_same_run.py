@@ -74,7 +74,7 @@ def test_aphrodite_variants_and_exllamav3_alternate_on_the_same_prompts(engines)
     argv += ["--exllamav3", "exl3"]
     argv += ["--variant-env", f"b=PATH={other}:/usr/bin:/bin", "--variant-env", "exl3=HXF_MARK=1"]
     argv += ["--concurrency", "1,3", "--repeats", "2", "--prompt", "8", "--output", "12", "--port", str(free_port())]
-    argv += ["--start-timeout", "60"]
+    argv += ["--start-timeout", "60", "--levels", "exl3=3"]
     assert same_run.main(argv) == 0
     run = json.loads(out.read_text())
     v = run["variants"]
@@ -87,12 +87,14 @@ def test_aphrodite_variants_and_exllamav3_alternate_on_the_same_prompts(engines)
     assert v["exl3"]["load_s"] == 1.5 and v["exl3"]["warmup"] == {"completed": 1}
     order = [(r["repeat"], r["concurrency"], r["variant"]) for r in run["runs"]]
     assert order == [
-        *((0, n, x) for n in (1, 3) for x in ("a", "b", "exl3")),
-        *((1, n, x) for n in (1, 3) for x in ("exl3", "b", "a")),
-    ]
+        *((0, n, x) for n in (1, 3) for x in ("a", "b", "exl3") if (x, n) != ("exl3", 1)),
+        *((1, n, x) for n in (1, 3) for x in ("exl3", "b", "a") if (x, n) != ("exl3", 1)),
+    ]  # exl3 runs only its own level
     for r in run["runs"]:
         assert r["completed"] == r["concurrency"] and r["decode_tok_s"] > 0 and r["per_request_tok_s"] > 0
     assert set(run["summary"]) == {"a", "b", "exl3"} and run["summary"]["exl3"]["3"]["decode_tok_s"]["median"] > 0
+    assert set(run["summary"]["exl3"]) == {"3"} and run["variant_levels"]["exl3"] == [3]
+    assert (run["prompt"], run["output"]) == (8, 12)
     assert "level_seed" in run["prompts"]
 
 
@@ -152,6 +154,9 @@ def test_a_variant_ready_after_the_first_is_waited_for_until_the_common_start_de
         (["--concurrency", "1,x"], "--concurrency takes"),
         (["--start-after", "nobody=/tmp/x"], "--start-after names no variant"),
         (["--start-after", "a"], "--start-after takes"),
+        (["--levels", "nobody=1"], "--levels names no variant"),
+        (["--levels", "a=1,x"], "--levels takes"),
+        (["--levels", "a=7"], "not in --concurrency"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(engines, capsys, extra, message):
