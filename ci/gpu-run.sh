@@ -7,11 +7,14 @@
 #   server:CELLS           tests/gpu/test_server.py, HXF_SERVER_CELLS=CELLS (comma list; the tiny dense model)
 #   moe:CELLS              tests/gpu/test_moe_server.py, the same for the MoE cells
 #   upstream               tests/upstream with the overlay
+#   p12                    tests/gpu/test_p12_mid_batch.py (P12's routed layers against aphrodite's path, 0.24+)
 #   fulldepth:PRESETS      ci/stages/fulldepth.sh, HXF_PRESETS=PRESETS (comma list, NAME or NAME:CODEBOOK) and its
 #                          HXF_FD_* settings (kinds, levels, parallel start): full-depth serving beside exllamav3
 #   cal:NAMES              make-tiny's calibration checkpoints, then bench/memory_calibration.py --only NAMES
 #                          (comma list; empty: all), the machine alone for the profiled rows
 #   serving                bench/run-serving.sh HXF_BENCH_SECONDS (default 900): the 27B-width serving benchmark
+#   mid-batch              bench/exl3_mid_batch.py on RELEASE (0.24: P12's per-kernel times, the 27B's projections at
+#                          1-256 rows, aphrodite's path / the rebuild / a kept float16 weight); best alone on the GPU
 #   kernels                bench/exl3_kernel_choice.py on RELEASE (0.21: P8's per-kernel times, the 27B's projections
 #                          at 1/8/16/32 rows); best alone on the GPU (run it before the engines start)
 #   exllamav3-build        exllamav3's extension from .cache/wheels/exllamav3-1.6.5-py3-none-any.whl (16 min of
@@ -31,8 +34,13 @@
 #                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.21,0.21-lora,0.21-nop8,exllamav3; 0.21-nop8: 0.21.0 with P8
-#                          switched off, the before of P8's before/after), HXF_CMP_AFTER (stages, comma list,
+#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-nop12,0.21,0.21-lora,0.21-nop8,exllamav3;
+#                          NAME-nop8 / -nop12: P8 / P12 switched off, the before of its before/after; -lora-tuned:
+#                          the adapter with LoRA kernel configs tuned here first, bench/lora_tune.py, within
+#                          HXF_CMP_TUNE_SECONDS, default 120), HXF_CMP_SEQS (--max-num-seqs; default the largest
+#                          level), HXF_CMP_LORA_KV_BYTES / HXF_CMP_LORA_SEQS (the adapter variants' pool and
+#                          --max-num-seqs), HXF_CMP_VARIANT_LEVELS (space list of NAME=N,N: same_run.py --levels),
+#                          HXF_CMP_PROMPT / HXF_CMP_OUTPUT (tokens; 512 / 256), HXF_CMP_AFTER (stages, comma list,
 #                          whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds the weights
 #                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
 #                          35B-A3B variants do not fit one H200
@@ -97,8 +105,10 @@ compare() {  # PRESET
   mk "$m" --preset "$name" "${bits[@]}"
   mkdir -p "$ROOT/compare"
   inputs "$m" "$ROOT/compare"
-  local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${levels##*,} --gdn-prefill-backend triton --language-model-only"
-  local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
+  local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${HXF_CMP_SEQS:-${levels##*,}} --gdn-prefill-backend triton --language-model-only"
+  local lkv=${HXF_CMP_LORA_KV_BYTES:-$kv} lseqs=${HXF_CMP_LORA_SEQS:-${HXF_CMP_SEQS:-${levels##*,}}}
+  local lcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $lkv --max-num-seqs $lseqs --gdn-prefill-backend triton --language-model-only"
+  local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp" tuned="$ROOT/compare/lora-tuned"
   local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel
   has() { case "$want" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
   for rel in 0.24 0.21; do
@@ -107,7 +117,15 @@ compare() {  # PRESET
     [ "$rel" = "$REL" ] || bash ci/site-install.sh "$TARGET"
     local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
     has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
-    has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$common $lora" --variant-env "aphrodite-$rel-lora=$env")
+    has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$lcommon $lora" --variant-env "aphrodite-$rel-lora=$env")
+    if has "$rel-lora-tuned"; then  # the configs tuned here first, while no engine holds the GPU (bench/lora_tune.py)
+      env PYTHONPATH="$PYPATH" python3 bench/lora_tune.py --out "$tuned" --deadline "${HXF_CMP_TUNE_SECONDS:-120}" \
+        > "$ROOT/compare/lora-tune.log" 2>&1 || echo "compare: lora_tune failed (lora-tune.log); defaults stand"
+      args+=(--variant "aphrodite-$rel-lora-tuned=$lcommon $lora"
+        --variant-env "aphrodite-$rel-lora-tuned=$env APHRODITE_TUNED_CONFIG_FOLDER=$tuned")
+    fi
+    has "$rel-nop12" && args+=(--variant "aphrodite-$rel-nop12=$common"
+      --variant-env "aphrodite-$rel-nop12=$env HYBRID_EXL3_FIXES_DISABLE=P12")
     has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
       --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
   done
@@ -125,8 +143,10 @@ compare() {  # PRESET
   fi
   [ ${#args[@]} -gt 0 ] || { echo "compare: no variant to run"; return 2; }
   local s; for s in ${HXF_CMP_AFTER:+${HXF_CMP_AFTER//,/ }}; do args+=(--hold-until "$ROOT/$s.done"); done
+  for s in ${HXF_CMP_VARIANT_LEVELS:-}; do args+=(--levels "$s"); done
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/compare/$(basename "$m").json" --port $((8500 + PORTS)) \
-    --concurrency "$levels" --repeats "${HXF_CMP_REPEATS:-3}" --deadline "${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${args[@]}"
+    --concurrency "$levels" --prompt "${HXF_CMP_PROMPT:-512}" --output "${HXF_CMP_OUTPUT:-256}" \
+    --repeats "${HXF_CMP_REPEATS:-3}" --deadline "${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${args[@]}"
 }
 
 fulldepth() {  # PRESETS
@@ -169,6 +189,8 @@ for stage in "$@"; do
     serving) serving ;;
     exllamav3-build) exllamav3_build ;;
     kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
+    mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
+    p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
     *) echo "gpu-run: unknown stage $name" ;;
   esac; touch "$ROOT/$name.done"; } > "$ROOT/$name.log" 2>&1 &
   i=$((i + 1))
