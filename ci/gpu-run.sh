@@ -15,6 +15,8 @@
 #   serving                bench/run-serving.sh HXF_BENCH_SECONDS (default 900): the 27B-width serving benchmark
 #   mid-batch              bench/exl3_mid_batch.py on RELEASE (0.24: P12's per-kernel times, the 27B's projections at
 #                          1-256 rows, aphrodite's path / the rebuild / a kept float16 weight); best alone on the GPU
+#   lora-tune              bench/lora_tune.py: LoRA shrink/expand configs tuned for the 27B's projections within
+#                          HXF_TUNE_SECONDS (default 120), in RESULTS/lora-tune (HXF_CMP_LORA_TUNED for compare)
 #   kernels                bench/exl3_kernel_choice.py on RELEASE (0.21: P8's per-kernel times, the 27B's projections
 #                          at 1/8/16/32 rows); best alone on the GPU (run it before the engines start)
 #   exllamav3-build        exllamav3's extension from .cache/wheels/exllamav3-1.6.5-py3-none-any.whl (16 min of
@@ -36,10 +38,11 @@
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
 #                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-nop12,0.21,0.21-lora,0.21-nop8,exllamav3;
 #                          NAME-nop8 / -nop12: P8 / P12 switched off, the before of its before/after; -lora-tuned:
-#                          the adapter with LoRA kernel configs tuned here first, bench/lora_tune.py, within
-#                          HXF_CMP_TUNE_SECONDS, default 120), HXF_CMP_SEQS (--max-num-seqs; default the largest
+#                          the adapter with the LoRA kernel configs in HXF_CMP_LORA_TUNED, else tuned here first,
+#                          bench/lora_tune.py, within HXF_CMP_TUNE_SECONDS, default 120), HXF_CMP_SEQS (--max-num-seqs; default the largest
 #                          level), HXF_CMP_LORA_KV_BYTES / HXF_CMP_LORA_SEQS (the adapter variants' pool and
-#                          --max-num-seqs), HXF_CMP_VARIANT_LEVELS (space list of NAME=N,N: same_run.py --levels),
+#                          --max-num-seqs), HXF_CMP_LORA_ARGS (more engine flags for them: `--max-model-len 832`
+#                          keeps an earlier run's compile cache), HXF_CMP_VARIANT_LEVELS (space list of NAME=N,N: same_run.py --levels),
 #                          HXF_CMP_PROMPT / HXF_CMP_OUTPUT (tokens; 512 / 256), HXF_CMP_AFTER (stages, comma list,
 #                          whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds the weights
 #                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
@@ -107,8 +110,9 @@ compare() {  # PRESET
   inputs "$m" "$ROOT/compare"
   local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${HXF_CMP_SEQS:-${levels##*,}} --gdn-prefill-backend triton --language-model-only"
   local lkv=${HXF_CMP_LORA_KV_BYTES:-$kv} lseqs=${HXF_CMP_LORA_SEQS:-${HXF_CMP_SEQS:-${levels##*,}}}
-  local lcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $lkv --max-num-seqs $lseqs --gdn-prefill-backend triton --language-model-only"
-  local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp" tuned="$ROOT/compare/lora-tuned"
+  local lcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $lkv --max-num-seqs $lseqs --gdn-prefill-backend triton --language-model-only ${HXF_CMP_LORA_ARGS:-}"
+  local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
+  local tuned="${HXF_CMP_LORA_TUNED:-$ROOT/compare/lora-tuned}"
   local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel
   has() { case "$want" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
   for rel in 0.24 0.21; do
@@ -118,8 +122,8 @@ compare() {  # PRESET
     local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
     has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
     has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$lcommon $lora" --variant-env "aphrodite-$rel-lora=$env")
-    if has "$rel-lora-tuned"; then  # the configs tuned here first, while no engine holds the GPU (bench/lora_tune.py)
-      env PYTHONPATH="$PYPATH" python3 bench/lora_tune.py --out "$tuned" --deadline "${HXF_CMP_TUNE_SECONDS:-120}" \
+    if has "$rel-lora-tuned"; then  # the configs tuned first (the lora-tune stage's, or here, no engine up yet)
+      [ -e "$tuned/lora_tune.json" ] || env PYTHONPATH="$PYPATH" python3 bench/lora_tune.py --out "$tuned" --deadline "${HXF_CMP_TUNE_SECONDS:-120}" \
         > "$ROOT/compare/lora-tune.log" 2>&1 || echo "compare: lora_tune failed (lora-tune.log); defaults stand"
       args+=(--variant "aphrodite-$rel-lora-tuned=$lcommon $lora"
         --variant-env "aphrodite-$rel-lora-tuned=$env APHRODITE_TUNED_CONFIG_FOLDER=$tuned")
@@ -190,6 +194,7 @@ for stage in "$@"; do
     exllamav3-build) exllamav3_build ;;
     kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
     mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
+    lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
     *) echo "gpu-run: unknown stage $name" ;;
   esac; touch "$ROOT/$name.done"; } > "$ROOT/$name.log" 2>&1 &

@@ -130,7 +130,7 @@ def test_a_bad_keep_value_leaves_everything_as_it_was(overlay, p12, monkeypatch)
 
 
 @pytest.mark.skipif(not HAS_THRESHOLD, reason="the replaced ops route against the 144-row threshold of 0.24+")
-def test_the_ops_kernels_are_replaced_and_given_back(p12):
+def test_the_ops_kernels_are_replaced_and_given_back(p12, monkeypatch):
     exl3 = importlib.import_module(MODULE)
 
     def kernel(op):  # the function torch's CustomOpDef.register_kernel wrapped (maybe twice) for the dispatcher
@@ -145,6 +145,10 @@ def test_the_ops_kernels_are_replaced_and_given_back(p12):
     p12.wrap_ops()  # once each
     for name in p12.APHRODITE_OPS:
         assert kernel(getattr(exl3, name)).__name__ == f"hxf_p12{name}"
+    routed = []
+    monkeypatch.setattr(p12, "route", lambda name, original, x, first, rest: routed.append((name, x, first, rest)))
+    kernel(exl3._exl3_linear_one)(x="x", trellis="t", suh="s", svh="v", mcg=True, mul1=False)  # keywords: bound
+    assert routed == [("_exl3_linear_one", "x", "t", ("s", "v", True, False))]
     p12.reset_state()
     assert {name: kernel(getattr(exl3, name)) for name in p12.APHRODITE_OPS} == originals
 

@@ -30,6 +30,7 @@ Retire when: aphrodite chooses the EXL3 path per shape and row count by measurem
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import threading
 from typing import Any
@@ -195,8 +196,12 @@ def route(name: str, original, x, first, rest):
 
 
 def _kernel(name: str, original):
-    def kernel(x, first, *rest):
-        return route(name, original, x, first, rest)
+    signature = inspect.signature(original)
+
+    def kernel(*args, **kwargs):
+        if kwargs:  # the dispatcher passes the schema's arguments positionally; a keyword call is bound in order
+            args = signature.bind(*args, **kwargs).args
+        return route(name, original, args[0], args[1], args[2:])
 
     kernel.__name__ = f"hxf_p12{name}"
     return kernel
