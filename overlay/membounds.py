@@ -70,6 +70,8 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
             f"{NCCL_CHANNELS_BOUND} channels x {NCCL_CONNECTIONS_PER_CHANNEL} connections x 9.19 MiB (LL + LL128 + "
             "SIMPLE buffers) in GPU memory over P2P/NVLink; 0 over SHM",
         )
+    if name == "exl3_kept_weights":
+        return b(value, 0, "P12 keeps a layer only where the kept weight was measured faster: down to none of it")
     return b(0, 0, "restated from aphrodite's code")
 
 

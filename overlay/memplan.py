@@ -118,6 +118,7 @@ class Engine:
     language_model_only: bool = False
     prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching; None: the default
     release: str | None = None  # the aphrodite-engine release planned for; None: the newest supported
+    exl3_keep: int | None = None  # P12's opt-in, HYBRID_EXL3_FIXES_EXL3_KEEP: bytes per GPU, -1 all, None off
 
     def __post_init__(self):
         big = self.gpu_gib >= BIG_GPU_GIB
@@ -343,8 +344,22 @@ def exl3_moe_scratch(shape, eng: Engine) -> tuple[int, str]:
     )
 
 
+def exl3_kept_weights(tensors: dict, eng: Engine) -> tuple[int, str]:
+    """P12's opt-in float16 weights (overlay/exl3/midbatch.py): 2 x in x out bytes per EXL3 linear layer (trellis
+    ``in/16 x out/16 x 16K``; routed experts excluded), per rank, up to the budget. An upper bound: P12 keeps a
+    layer only where the kept weight was measured faster."""
+    full = 0
+    for name, t in tensors.items():
+        if name.endswith(".trellis") and ".experts." not in name and len(t.get("shape") or ()) == 3:
+            full += 2 * t["shape"][0] * 16 * t["shape"][1] * 16
+    full //= eng.tp
+    kept = full if eng.exl3_keep is None or eng.exl3_keep < 0 else min(full, eng.exl3_keep)
+    budget = "all" if eng.exl3_keep is None or eng.exl3_keep < 0 else f"{eng.exl3_keep / GIB:g} GiB"
+    return kept, f"float16 copies of the EXL3 linear layers, {full / GIB:.2f} GiB per rank, up to the budget ({budget})"
+
+
 # the plan's terms that the engine's "Model loading took X GiB" figure holds (the rest come later in its start-up)
-LOADING_TERMS = ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch")
+LOADING_TERMS = ("weights", "lora_buffers", "load_overhead", "exl3_moe_scratch", "exl3_kept_weights")
 
 
 def loading_bytes(terms: dict) -> int:
@@ -386,6 +401,9 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     if exl3 and shape.moe:  # inside the engine's "Model loading took" figure, beside the weights
         scratch, scratch_formula = exl3_moe_scratch(shape, eng)
         terms["exl3_moe_scratch"] = term(scratch, scratch_formula, "code (the SM count: the GPU's)")
+    if exl3 and eng.exl3_keep is not None:  # P12's opt-in, kept at load beside the weights
+        kept, kept_formula = exl3_kept_weights(tensors, eng)
+        terms["exl3_kept_weights"] = term(kept, kept_formula, "code (an upper bound: kept only where measured faster)")
     if eng.tp > 1:  # membounds.py: allocated by NCCL during the profiling run, in GPU memory over P2P / NVLink
         terms["nccl_buffers"] = term(
             0,
@@ -420,6 +438,7 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
             "max_lora_rank": eng.max_lora_rank,
             "prefix_caching": eng.prefix_caching_on,
             "release": eng.release or NEWEST_RELEASE,
+            "exl3_keep": eng.exl3_keep,
             "defaults": eng.defaults_note,
         },
         "terms": terms,

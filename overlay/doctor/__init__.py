@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
+from ..exl3 import midbatch
 from ..memplan import Engine
 from .base import (
     COLUMN,
@@ -192,9 +194,23 @@ def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> 
         language_model_only=o.language_model_only,
         prefix_caching=o.prefix_caching,
         release=release,
+        exl3_keep=exl3_keep(report),
     )
     report.plan = memory_plan(report, folder, shape, tensors, o.gpu_mem, o.gpus, engine)
     return report
+
+
+def exl3_keep(report: Report) -> int | None:
+    """P12's opt-in as the engine will read it (HYBRID_EXL3_FIXES_EXL3_KEEP in this environment); a bad value is a
+    WARN (P12 then stays off in the engine) and plans nothing."""
+    try:
+        budget = midbatch.keep_budget(os.environ)
+    except midbatch.KeepSettingError as exc:
+        report.add("WARN", "exl3-keep", f"{exc}; the engine's P12 stays off with it")
+        return None
+    if budget is not None:
+        report.add("OK", "exl3-keep", f"P12 keeps float16 EXL3 weights: {midbatch.describe_budget(budget)} (planned)")
+    return budget
 
 
 def render(report: Report) -> str:

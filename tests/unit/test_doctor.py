@@ -340,3 +340,34 @@ def test_doctor_patches_nothing_in_its_own_process(tiny):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["aphrodite"] is False and out["torch"] is False and out["results"] == 0, out
     assert out["overlay"] and "hybrid-exl3-fixes: applied=" in out["overlay"][0], out
+
+
+def test_p12s_kept_weights_are_planned_when_opted_in(tiny, monkeypatch):
+    """HYBRID_EXL3_FIXES_EXL3_KEEP (P12's opt-in) adds the float16 copies of the EXL3 linear layers to the plan,
+    inside "Model loading took", up to the budget; a bad value is a WARN and plans nothing."""
+    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.exl3 import midbatch
+
+    base = diagnose(tiny, gpu_mem=24, check_overlay=False)
+    assert "exl3_kept_weights" not in base.plan["terms"]
+    monkeypatch.setenv(midbatch.KEEP_ENV, "all")
+    kept = diagnose(tiny, gpu_mem=24, check_overlay=False)
+    term = kept.plan["terms"]["exl3_kept_weights"]
+    named = kept_tensors(tiny).items()
+    trellis = [t for n, t in named if n.endswith(".trellis") and ".experts." not in n and not n.startswith("mtp.")]
+    assert trellis and term["bytes"] == sum(2 * t["shape"][0] * 16 * t["shape"][1] * 16 for t in trellis)
+    assert kept.plan["available_kv_bytes"] == base.plan["available_kv_bytes"] - term["bytes"]
+    assert "exl3_kept_weights" in memplan.LOADING_TERMS and levels(kept)["exl3-keep"] == "OK"
+    assert kept.plan["uncertainty"]["terms"]["exl3_kept_weights"]["low"] == term["bytes"]  # maybe none is kept
+    monkeypatch.setenv(midbatch.KEEP_ENV, "0.001")
+    assert diagnose(tiny, gpu_mem=24, check_overlay=False).plan["terms"]["exl3_kept_weights"]["bytes"] <= 2**30 // 1000
+    monkeypatch.setenv(midbatch.KEEP_ENV, "lots")
+    bad = diagnose(tiny, gpu_mem=24, check_overlay=False)
+    assert levels(bad)["exl3-keep"] == "WARN" and "exl3_kept_weights" not in bad.plan["terms"]
+
+
+def kept_tensors(folder):
+    from hybrid_exl3_fixes.doctor.base import Report
+    from hybrid_exl3_fixes.doctor.files import read_weights
+
+    return read_weights(Report(str(folder)), folder)
