@@ -356,7 +356,7 @@ def test_p12s_kept_weights_are_planned_when_opted_in(tiny, monkeypatch):
     named = kept_tensors(tiny).items()
     trellis = [t for n, t in named if n.endswith(".trellis") and ".experts." not in n and not n.startswith("mtp.")]
     assert trellis and term["bytes"] == sum(2 * t["shape"][0] * 16 * t["shape"][1] * 16 for t in trellis)
-    assert kept.plan["available_kv_bytes"] == base.plan["available_kv_bytes"] - term["bytes"]
+    assert kept.plan["kv_pool_bytes"] == base.plan["kv_pool_bytes"] - term["bytes"]
     assert "exl3_kept_weights" in memplan.LOADING_TERMS and levels(kept)["exl3-keep"] == "OK"
     assert kept.plan["uncertainty"]["terms"]["exl3_kept_weights"]["low"] == term["bytes"]  # maybe none is kept
     monkeypatch.setenv(midbatch.KEEP_ENV, "0.001")
