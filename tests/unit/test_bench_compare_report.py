@@ -150,11 +150,11 @@ def test_ratios_carry_the_spread_of_the_repeats_and_a_nop8_variant_gives_p8s_bef
 
 
 def test_p12_and_the_tuned_adapter_pair_with_their_bases():
-    run = {"variants": dict.fromkeys(["a-0.24", "a-0.24-nop12", "a-0.24-lora", "a-0.24-lora-tuned", "x3"], {})}
+    run = {"variants": dict.fromkeys(["a-0.24", "a-0.24-p12", "a-0.24-lora", "a-0.24-lora-tuned", "x3"], {})}
     found = {(num, den) for num, den, _ in compare_report.pairs(run)}
     assert found == {
         ("a-0.24-lora", "a-0.24"),
         ("a-0.24-lora-tuned", "a-0.24"),
         ("a-0.24-lora-tuned", "a-0.24-lora"),
-        ("a-0.24", "a-0.24-nop12"),
+        ("a-0.24-p12", "a-0.24"),
     }

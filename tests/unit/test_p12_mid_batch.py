@@ -108,7 +108,20 @@ def p12(overlay):
 
 
 @needs_aphrodite
-def test_p12_applies_where_the_144_row_threshold_is(overlay, p12):
+def test_p12_is_an_opt_in(overlay, p12):
+    result = {r.patch.id: r for r in overlay.apply_all()}["P12"]
+    assert result.status.value == "NOT_APPLICABLE" and midbatch.ENABLE_ENV in result.reason, result.reason
+
+
+@pytest.mark.parametrize("env", [{midbatch.ENABLE_ENV: "1"}, {midbatch.ENABLE_ENV: "on"}, {midbatch.KEEP_ENV: "4"}])
+def test_either_switch_opts_in(env):
+    assert midbatch.enabled(env)
+    assert not midbatch.enabled({}) and not midbatch.enabled({midbatch.ENABLE_ENV: "0", midbatch.KEEP_ENV: " "})
+
+
+@needs_aphrodite
+def test_p12_applies_where_the_144_row_threshold_is(overlay, p12, monkeypatch):
+    monkeypatch.setenv(midbatch.ENABLE_ENV, "1")
     result = {r.patch.id: r for r in overlay.apply_all()}["P12"]
     if HAS_THRESHOLD:
         assert result.status.value == "APPLIED", result.reason

@@ -98,7 +98,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         idle_launch = APHRODITE_VERSION in ("0.22.0", "0.23.0")
         assert out["results"]["P10"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")
         assert out["results"]["P11"] == "APPLIED"  # the LoRA wrapper of an EXL3 lm_head, every release
-        assert out["results"]["P12"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")  # the 144-row threshold, 0.24+
+        assert out["results"]["P12"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MID_BATCH=1)
     assert out["answer"] == "[(0, 1, 2)]"
 
 

@@ -19,9 +19,10 @@ How:     after the original ``process_weights_after_loading``, each EXL3 linear 
          runs in one thread), and entries are keyed by the op and its first weight tensor, so a call the layer does
          not make, or a nested call inside a fused op, keeps what the outer call chose. Each measured shape is
          logged at INFO with its times; a failing measurement keeps aphrodite's path and is logged.
-Probe:   the module has the threshold (0.24+; 0.20 - 0.23 rebuild above 32 rows, two tiles: NOT_APPLICABLE) and the
-         three ops are custom ops whose kernel can be replaced (else DRIFTED); an invalid opt-in value makes P12
-         NOT_APPLICABLE with the reason, changing nothing.
+Probe:   opted in (``HYBRID_EXL3_FIXES_MID_BATCH=1``, or the keep opt-in: P12 stays an opt-in until a GPU run has
+         measured it end to end), the module has the threshold (0.24+; 0.20 - 0.23 rebuild above 32 rows, two
+         tiles: NOT_APPLICABLE) and the three ops are custom ops whose kernel can be replaced (else DRIFTED); an
+         invalid keep value makes P12 NOT_APPLICABLE with the reason, changing nothing.
 Upstream: not reported yet; the write-up above has the report and the minimal fix (measure the crossover per shape,
          or lower the threshold on high-bandwidth GPUs).
 Retire when: aphrodite chooses the EXL3 path per shape and row count by measurement.
@@ -67,6 +68,11 @@ def reset_state() -> None:
 
 def probe_fixed_threshold(live) -> bool:
     """True = the fixed threshold is there and P12 is not."""
+    if not midbatch.enabled(os.environ):
+        raise NotApplicable(
+            f"an opt-in until measured on a GPU: set {midbatch.ENABLE_ENV}=1 (or {midbatch.KEEP_ENV}=GIB|all) to "
+            "choose the EXL3 path at 16 - 256 rows by measurement"
+        )
     try:
         midbatch.keep_budget(os.environ)
     except midbatch.KeepSettingError as exc:
