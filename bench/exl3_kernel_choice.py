@@ -249,21 +249,26 @@ def render(report: dict, out: Path, stem: str = "exl3_kernel_choice") -> str:
     return text
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_main(doc: str, name: str, measure, render, rounds: int) -> None:
+    """The command line this bench and bench/exl3_mid_batch.py share: measure on the GPU into --out, or render a
+    measurement's JSON (--report) anywhere; a file that cannot be read is a message, not a traceback."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--only", default="", help="comma list: measure the projections whose names start so")
     ap.add_argument("--report", type=Path, help="render this measurement's JSON into OUT (no GPU)")
     args = ap.parse_args()
     if args.report is not None:
         try:
-            report = json.loads(args.report.read_text())
-        except (OSError, ValueError) as exc:
-            sys.exit(f"exl3_kernel_choice: cannot read {args.report}: {exc}")
-        print(render(report, Path(args.out)))
+            print(render(json.loads(args.report.read_text()), Path(args.out)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            sys.exit(f"{name}: cannot read {args.report}: {exc}")
         return
     measure(Path(args.out), args.rounds, [o for o in args.only.split(",") if o])
+
+
+def main() -> None:
+    bench_main(__doc__, "exl3_kernel_choice", measure, render, 15)
 
 
 if __name__ == "__main__":

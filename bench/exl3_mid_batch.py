@@ -20,7 +20,6 @@ already.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -154,13 +153,9 @@ def kept_bytes(rows: list[dict]) -> int:
     return sum(2 * k * n * count for _, k, n, count in seen)
 
 
-def md_table(head: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
-    ]
-
-
 def render(report: dict, out: Path, stem: str = "exl3_mid_batch") -> str:
+    from exl3_kernel_choice import md_table
+
     rows = report["rows"]
     out.mkdir(parents=True, exist_ok=True)
     fields = ["name", "k", "n", "K", "count", "rows", *PATHS, "kept_error"]
@@ -226,20 +221,9 @@ def render(report: dict, out: Path, stem: str = "exl3_mid_batch") -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--only", default="", help="comma list: measure the projections whose names start so")
-    ap.add_argument("--report", type=Path, help="render this measurement's JSON into OUT (no GPU)")
-    args = ap.parse_args()
-    if args.report is not None:
-        try:
-            report = json.loads(args.report.read_text())
-            print(render(report, Path(args.out)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            sys.exit(f"exl3_mid_batch: cannot read {args.report}: {exc}")
-        return
-    measure(Path(args.out), args.rounds, [o for o in args.only.split(",") if o])
+    from exl3_kernel_choice import bench_main
+
+    bench_main(__doc__, "exl3_mid_batch", measure, render, 9)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,24 @@ def after_loading(patch_id: str, original: Callable, step: Callable, failure: st
             logger.warning(failure, getattr(layer, name_attr, type(layer).__name__), exc_info=True)
 
     return tag(patch_id, process_weights_after_loading, original)
+
+
+def time_interleaved(fns: dict, torch, rounds: int, calls: int, warmup: int) -> dict:
+    """Median µs per call of each of ``fns`` (key -> no-argument callable): ``warmup`` calls each, then ``rounds``
+    rounds of ``calls`` calls between two CUDA events, the callables interleaved and their order reversed every
+    round (P8's and P12's load-time measurement)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict = {key: [] for key in fns}
+    order = list(fns)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds):
+        for key in order if r % 2 == 0 else reversed(order):
+            start.record()
+            for _ in range(calls):
+                fns[key]()
+            end.record()
+            end.synchronize()
+            samples[key].append(start.elapsed_time(end) * 1e3 / calls)
+    return {key: sorted(s)[len(s) // 2] for key, s in samples.items()}

@@ -40,7 +40,7 @@ from hybrid_exl3_fixes.exl3 import midbatch
 from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry, logger
 
 from . import p3_gemm_cache as p3
-from .common import MODULE, after_loading
+from .common import MODULE, after_loading, time_interleaved
 
 APHRODITE_OPS = ("_exl3_linear_one", "_exl3_gate_up", "_exl3_qkv")
 THRESHOLD = "_EXL3_AUTO_RECONSTRUCT_THRESHOLD"
@@ -277,21 +277,7 @@ def measure_paths(method, layer, weight) -> dict[int, dict[str, float]]:
 
 
 def _time(fns: dict, torch) -> dict:
-    for fn in fns.values():
-        for _ in range(WARMUP):
-            fn()
-    samples: dict = {path: [] for path in fns}
-    order = list(fns)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(ROUNDS):
-        for path in order if r % 2 == 0 else reversed(order):
-            start.record()
-            for _ in range(CALLS):
-                fns[path]()
-            end.record()
-            end.synchronize()
-            samples[path].append(start.elapsed_time(end) * 1e3 / CALLS)
-    return {path: sorted(s)[len(s) // 2] for path, s in samples.items()}
+    return time_interleaved(fns, torch, ROUNDS, CALLS, WARMUP)
 
 
 PATCH_P12 = Patch(

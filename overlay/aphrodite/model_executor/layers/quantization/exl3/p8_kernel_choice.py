@@ -34,7 +34,7 @@ from hybrid_exl3_fixes.exl3 import choice, dispatch
 from hybrid_exl3_fixes.registry import Patch, logger
 
 from . import p3_gemm_cache as p3
-from .common import after_loading
+from .common import after_loading, time_interleaved
 
 ROUNDS = 5  # timed rounds per launch and row count; the median is kept
 CALLS = 8  # calls per round, between one pair of CUDA events
@@ -226,22 +226,7 @@ def measure_launches(trellis, suh, svh, codebook, launches, native=True) -> dict
 
 
 def _time(fns: dict, torch) -> dict:
-    for fn in fns.values():
-        for _ in range(WARMUP):
-            fn()
-    samples: dict = {launch: [] for launch in fns}
-    order = list(fns)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(ROUNDS):
-        for launch in order if r % 2 == 0 else reversed(order):
-            fn = fns[launch]
-            start.record()
-            for _ in range(CALLS):
-                fn()
-            end.record()
-            end.synchronize()
-            samples[launch].append(start.elapsed_time(end) * 1e3 / CALLS)
-    return {launch: sorted(s)[len(s) // 2] for launch, s in samples.items()}
+    return time_interleaved(fns, torch, ROUNDS, CALLS, WARMUP)
 
 
 PATCH_P8 = Patch(
