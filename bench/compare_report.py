@@ -92,12 +92,13 @@ PAIRS = (
     ("-tuned", "adapter", "tuned LoRA kernel configs over the default ones: above 1, the tuned are faster"),
     ("-nop8", "p8", "P8 on over P8 off (HYBRID_EXL3_FIXES_DISABLE=P8): above 1, P8 is faster"),
     ("-p12", "adapter", "P12 opted in over the same release without it: above 1, P12 is faster"),
+    ("-keep", "adapter", "P12 with kept float16 weights over the same release without it: above 1, it is faster"),
 )
 
 
 def pairs(run: dict) -> list[tuple[str, str, str]]:
     """(numerator, denominator, what) variant pairs: NAME-lora and NAME-lora-tuned over NAME, NAME-lora-tuned over
-    NAME-lora, NAME-p12 over NAME, NAME over NAME-nop8."""
+    NAME-lora, NAME-p12 and NAME-keep over NAME, NAME over NAME-nop8."""
     out = []
     for n in run["variants"]:
         for suffix, kind, what in PAIRS:

@@ -36,9 +36,10 @@
 #                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-p12,0.21,0.21-lora,0.21-nop8,exllamav3;
+#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-p12,0.24-keep,0.21,0.21-lora,0.21-nop8,exllamav3;
 #                          NAME-nop8: P8 switched off, the before of its before/after; NAME-p12: P12 opted into
-#                          (HYBRID_EXL3_FIXES_MID_BATCH=1), the after of its before/after; -lora-tuned:
+#                          (HYBRID_EXL3_FIXES_MID_BATCH=1), the after of its before/after; NAME-keep: P12 with
+#                          float16 weights kept (HYBRID_EXL3_FIXES_EXL3_KEEP=HXF_CMP_KEEP, default all); -lora-tuned:
 #                          the adapter with the LoRA kernel configs in HXF_CMP_LORA_TUNED, else tuned here first,
 #                          bench/lora_tune.py, within HXF_CMP_TUNE_SECONDS, default 120), HXF_CMP_SEQS (--max-num-seqs; default the largest
 #                          level), HXF_CMP_LORA_KV_BYTES / HXF_CMP_LORA_SEQS (the adapter variants' pool and
@@ -131,6 +132,8 @@ compare() {  # PRESET
     fi
     has "$rel-p12" && args+=(--variant "aphrodite-$rel-p12=$common"
       --variant-env "aphrodite-$rel-p12=$env HYBRID_EXL3_FIXES_MID_BATCH=1")
+    has "$rel-keep" && args+=(--variant "aphrodite-$rel-keep=$common"
+      --variant-env "aphrodite-$rel-keep=$env HYBRID_EXL3_FIXES_EXL3_KEEP=${HXF_CMP_KEEP:-all}")
     has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
       --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
   done
