@@ -112,9 +112,9 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     md = [
         f"# Same-run comparison: {title}",
         "",
-        "| variant | engine | ready (s) | KV tokens | attention block | note |",
+        "| variant | engine | ready (s) | weights GiB | KV pool GiB | KV tokens | attention block | note |",
     ]
-    md.append("|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|")
     for name, v in run["variants"].items():
         engine = (
             "exllamav3 generator"
@@ -127,7 +127,8 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
         note = (v.get("error") or "")[:160].replace("|", "/")
         if is_exllamav3(v) and v.get("load_s") is not None:
             note = f"load {v['load_s']} s, warm-up {v.get('warmup_s')} s" + (f"; {note}" if note else "")
-        md.append(f"| {name} | {engine} | {ready} | {tokens} | {block} | {note} |")
+        weights, pool = (v.get(k, "-") for k in ("weights_gib", "kv_reserved_gib"))
+        md.append(f"| {name} | {engine} | {ready} | {weights} | {pool} | {tokens} | {block} | {note} |")
     md += ["", "Formula: " + " ".join(run.get("formula", "").split()), ""]
     # the ratio column only where the run has an exllamav3 variant to divide by
     x3 = any(is_exllamav3(v) for v in run["variants"].values())

@@ -30,6 +30,8 @@ STARTUP_FIGURES = {
     "torch_compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
     "attention_block_size": re.compile(r"Setting attention block size to (\d+) tokens"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+    "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
+    "kv_reserved_gib": re.compile(r"reserved ([\d.]+) GiB memory for KV Cache"),
 }
 
 
