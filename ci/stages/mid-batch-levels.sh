@@ -13,11 +13,12 @@
 #   HXF_MB_RUNS       which runs, in order (default "1 2")
 #   HXF_MB_TUNED      the LoRA configs folder for run 1's tuned variant (ci/gpu-run.sh's HXF_CMP_LORA_TUNED)
 #   HXF_MB_REPEATS    repeats of every run (default 2); HXF_MB_DEADLINE_<N> caps run N (seconds from its start)
+#   HXF_MB_SEQS       --max-num-seqs of the non-adapter engines (default 256; one run alone needs no shared cache)
 #   bash ci/stages/mid-batch-levels.sh                  # after ci/stage-0.24.sh's install call, on the GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=${HXF_RUN_OUT:-/tmp/hxf-out/0.24}
-export HXF_CMP_PROMPT=512 HXF_CMP_OUTPUT=128 HXF_CMP_SEQS=256 HXF_CMP_REPEATS=${HXF_MB_REPEATS:-2}
+export HXF_CMP_PROMPT=512 HXF_CMP_OUTPUT=128 HXF_CMP_SEQS=${HXF_MB_SEQS:-256} HXF_CMP_REPEATS=${HXF_MB_REPEATS:-2}
 preset=qwen3.6-27b-full
 for run in ${HXF_MB_RUNS:-1 2}; do
   echo "== $(date -u +%FT%TZ) mid-batch run $run"
