@@ -7,6 +7,8 @@
 #      configs: levels 1, 16, 32, 64, 128 (P12 16-128, the adapters 1 and 32), 26 GiB pools (8.5 for the adapters)
 #   2  0.24.1, 0.24.1 + P12 keeping float16 weights (HYBRID_EXL3_FIXES_EXL3_KEEP=all), exllamav3: levels 1-64, 13 GiB
 #   3  0.24.1 and 0.24.1 + P12 at 128 and 256 sequences, 50 GiB pools; only where HXF_MB_RUNS names it
+#   4  the LoRA-cost levels alone (they fit an H100): 0.24.1 without and with lora-mlp, default and tuned LoRA
+#      configs, levels 1 and 32, 8.5 GiB pools, --max-num-seqs 32
 # Every non-adapter engine has the same flags (--max-num-seqs 256, the same --max-model-len), so the second and third
 # runs find the first run's compile cache. Results: HXF_RUN_OUT (default /tmp/hxf-out/0.24)/mb1, mb2, mb3 (each
 # gpu-run.sh's compare/ folder and log). Settings:
@@ -34,7 +36,10 @@ for run in ${HXF_MB_RUNS:-1 2}; do
     3) HXF_RUN_OUT=$ROOT/mb3 HXF_CMP_LEVELS=128,256 HXF_CMP_KV_BYTES=$((50 << 30)) \
          HXF_CMP_VARIANTS=0.24,0.24-p12 HXF_CMP_DEADLINE=${HXF_MB_DEADLINE_3:-600} \
          bash ci/gpu-run.sh 0.24 "compare:$preset" ;;
-    *) echo "mid-batch-levels: no run $run (1, 2 or 3)" ;;
+    4) HXF_RUN_OUT=$ROOT/mb4 HXF_CMP_LEVELS=1,32 HXF_CMP_SEQS=32 HXF_CMP_KV_BYTES=$((17 << 29)) \
+         HXF_CMP_LORA_TUNED=${HXF_MB_TUNED:-} HXF_CMP_VARIANTS=0.24,0.24-lora,0.24-lora-tuned \
+         HXF_CMP_DEADLINE=${HXF_MB_DEADLINE_4:-900} bash ci/gpu-run.sh 0.24 "compare:$preset" ;;
+    *) echo "mid-batch-levels: no run $run (1 - 4)" ;;
   esac
   cat "$ROOT/mb$run/compare.log" 2>/dev/null | tail -3
 done
