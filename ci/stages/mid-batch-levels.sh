@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The 27B's mid-batch and LoRA-cost levels (docs/upstream/exl3-mid-batch-rebuild.md): three same-run comparisons,
-# one after the other, on one checkpoint (make-tiny qwen3.6-27b-full, float32 GDN state), because the variants do not
+# The 27B's mid-batch and LoRA-cost levels (docs/upstream/exl3-mid-batch-rebuild.md): same-run comparisons, one
+# after the other, on one checkpoint (make-tiny qwen3.6-27b-full, float32 GDN state), because the variants do not
 # fit one H200 together (each aphrodite engine holds the 12 GiB checkpoint and its pinned pool; float32 state takes
 # about 205 MB a sequence; kept float16 weights take 47.7 GiB more):
 #   1  0.24.1, 0.24.1 + P12 (HYBRID_EXL3_FIXES_MID_BATCH=1), 0.24.1 with lora-mlp, the same with tuned LoRA kernel
@@ -9,11 +9,11 @@
 #   3  0.24.1 and 0.24.1 + P12 at 128 and 256 sequences, 50 GiB pools; only where HXF_MB_RUNS names it
 #   4  the LoRA-cost levels alone (they fit an H100): 0.24.1 without and with lora-mlp, default and tuned LoRA
 #      configs, levels 1 and 32, 8.5 GiB pools, --max-num-seqs 32
-# Every non-adapter engine has the same flags (--max-num-seqs 256, the same --max-model-len), so the second and third
-# runs find the first run's compile cache. Results: HXF_RUN_OUT (default /tmp/hxf-out/0.24)/mb1, mb2, mb3 (each
-# gpu-run.sh's compare/ folder and log). Settings:
+# The non-adapter engines of runs 1 - 3 have the same flags (--max-num-seqs HXF_MB_SEQS, the same --max-model-len),
+# so a later run finds an earlier one's compile cache. Results: HXF_RUN_OUT (default /tmp/hxf-out/0.24)/mbN for run
+# N (each gpu-run.sh's compare/ folder and log). Settings:
 #   HXF_MB_RUNS       which runs, in order (default "1 2")
-#   HXF_MB_TUNED      the LoRA configs folder for run 1's tuned variant (ci/gpu-run.sh's HXF_CMP_LORA_TUNED)
+#   HXF_MB_TUNED      the LoRA configs folder for the tuned variant of runs 1 and 4 (ci/gpu-run.sh's HXF_CMP_LORA_TUNED)
 #   HXF_MB_REPEATS    repeats of every run (default 2); HXF_MB_DEADLINE_<N> caps run N (seconds from its start)
 #   HXF_MB_SEQS       --max-num-seqs of the non-adapter engines (default 256; one run alone needs no shared cache)
 #   bash ci/stages/mid-batch-levels.sh                  # after ci/stage-0.24.sh's install call, on the GPU machine
@@ -41,5 +41,5 @@ for run in ${HXF_MB_RUNS:-1 2}; do
          HXF_CMP_DEADLINE=${HXF_MB_DEADLINE_4:-900} bash ci/gpu-run.sh 0.24 "compare:$preset" ;;
     *) echo "mid-batch-levels: no run $run (1 - 4)" ;;
   esac
-  cat "$ROOT/mb$run/compare.log" 2>/dev/null | tail -3
+  tail -3 "$ROOT/mb$run/compare.log" 2>/dev/null
 done

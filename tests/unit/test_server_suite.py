@@ -112,6 +112,7 @@ FAKE_APHRODITE = textwrap.dedent('''\
         print("RuntimeError: Engine core initialization failed. See root cause above.")
         sys.exit(1)
     print("INFO 00:00:01 Model loading took 12.06 GiB memory and 10.3 seconds", flush=True)
+    print("INFO 00:00:02 Initial free memory 109.98 GiB, reserved 13.0 GiB memory for KV Cache", flush=True)
     print("INFO 00:00:02 GPU KV cache size: 1,234 tokens", flush=True)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -134,7 +135,7 @@ def test_server_start_ready_figures_and_stop(fake_aphrodite):
     try:
         assert server.wait_ready(60) and server.healthy() and server.ready_s is not None
         assert server.overlay_lines() == ["applied=5 upstream_fixed=0 drifted=0 (aphrodite 0.21.0)"]
-        assert server.startup_figures() == {"kv_cache_tokens": 1234.0, "weights_gib": 12.06}
+        assert server.startup_figures() == {"kv_cache_tokens": 1234.0, "weights_gib": 12.06, "kv_reserved_gib": 13.0}
         assert server.text().splitlines()[0].endswith(f"run ok --host 127.0.0.1 --port {port} --seed 0")
     finally:
         server.stop()
