@@ -1,11 +1,12 @@
 """Issue 31's table: one checkpoint served by each staged release, without and with an adapter, beside exllamav3's
 generator, from one ``bench/same_run.py`` run (``ci/gpu-run.sh compare:PRESET``).
 
-    python3 bench/compare_report.py RUN.json --inputs INPUTS.json[.xz] --bandwidth-file BANDWIDTH.json \
+    python3 bench/compare_report.py RUN.json --inputs INPUTS.json[.xz] [--bandwidth-file BANDWIDTH.json] \
         --out bench/results [--title "..."] [--note "..."]... [--stem NAME]
 
 RUN.json: same_run.py's results; INPUTS.json: the checkpoint's config and tensor list (memory_calibration.save_inputs,
-xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind. Writes
+xz-compressed or not); BANDWIDTH.json: ``bench/roofline.py --measure`` on the same GPU kind (left out for a kind
+with no measured copy bandwidth: then the report has no roofline, rather than one from another card's). Writes
 ``compare_<model>`` (or ``--stem``) ``.csv``, ``.md`` and ``.png``: per variant and concurrency the median and
 spread (min-max over the repeats) of per-request and decode tok/s by same_run's one formula, the time to first
 token, the ratio to the exllamav3 variant's per-request median at the same level (with the spread of the ratios of
@@ -31,7 +32,7 @@ def is_exllamav3(variant: dict) -> bool:
     return "exllamav3_generator.py" in " ".join(variant.get("command", []))
 
 
-def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
+def rows(run: dict, inputs: dict, bandwidth: float | None) -> list[dict]:
     import roofline
 
     from hybrid_exl3_fixes.doctor import parse_config
@@ -39,7 +40,11 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
     shape = parse_config(inputs["config.json"])[0]
     ns = sorted({int(n) for levels in run["summary"].values() for n in levels})
     prompt, output = run.get("prompt", 512), run.get("output", 256)
-    roof = {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, prompt, output)}
+    roof = (
+        {r["concurrency"]: r for r in roofline.roofline(shape, inputs["tensors"], bandwidth, ns, prompt, output)}
+        if bandwidth
+        else {}
+    )
     x3 = next((n for n, v in run["variants"].items() if is_exllamav3(v)), None)
     out = []
     for name, levels in run["summary"].items():
@@ -58,7 +63,10 @@ def rows(run: dict, inputs: dict, bandwidth: float) -> list[dict]:
             paired = repeat_ratios(run, name, x3, n) if ref else []
             row["over_exllamav3_min"] = min(paired, default=row["over_exllamav3"])
             row["over_exllamav3_max"] = max(paired, default=row["over_exllamav3"])
-            r = roof[n]
+            r = roof.get(n)
+            if r is None:
+                out.append(row)
+                continue
             row.update(
                 weight_gb=r["weight_gb"], state_gb=r["state_gb"], kv_gb=r["kv_gb"], roofline_step_ms=r["step_ms"]
             )
@@ -108,7 +116,7 @@ def pairs(run: dict) -> list[tuple[str, str, str]]:
     return out
 
 
-def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> list[str]:
+def markdown(run: dict, table: list[dict], bandwidth_file: str | None, title: str) -> list[str]:
     md = [
         f"# Same-run comparison: {title}",
         "",
@@ -132,23 +140,28 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
     md += ["", "Formula: " + " ".join(run.get("formula", "").split()), ""]
     # the ratio column only where the run has an exllamav3 variant to divide by
     x3 = any(is_exllamav3(v) for v in run["variants"].values())
+    roof = all("roofline_per_request" in r for r in table)
     md += [
         f"Roofline: bench/roofline.py with the copy bandwidth in `{bandwidth_file}`, prompt {run.get('prompt', 512)} "
-        f"+ output {run.get('output', 256)}; the "
-        "weights a step reads count the expected distinct routed experts of N x k routes.",
+        f"+ output {run.get('output', 256)}; the weights a step reads count the expected distinct routed experts of "
+        "N x k routes."
+        if roof
+        else "Roofline: none (no copy bandwidth measured on this GPU kind).",
         "",
-        "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | "
-        + ("/ exllamav3 | " if x3 else "")
-        + "roofline per request | of roofline |",
-        "|---|---|---|---|---|---|---|---|" + ("---|" if x3 else ""),
+        (
+            "| variant | N | repeats | per-request tok/s, median (min-max) | decode tok/s | TTFT s | "
+            + ("/ exllamav3 | " if x3 else "")
+            + ("roofline per request | of roofline |" if roof else "")
+        ).rstrip(),
+        "|---|---|---|---|---|---|" + ("---|" if x3 else "") + ("---|---|" if roof else ""),
     ]
     for r in sorted(table, key=lambda r: (r["concurrency"], r["variant"])):
         cells = [spread({"median": r[k], "min": r[f"{k}_min"], "max": r[f"{k}_max"]}) for k in METRICS]
         over = {"median": r["over_exllamav3"], "min": r["over_exllamav3_min"], "max": r["over_exllamav3_max"]}
         ratio = f"{spread(over)} | " if x3 else ""
+        of = f"{r['roofline_per_request']} | {r['of_roofline']} |" if roof else ""
         md.append(
-            f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | "
-            f"{ratio}{r['roofline_per_request']} | {r['of_roofline']} |"
+            f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | {ratio}{of}".rstrip()
         )
     by = {(r["variant"], r["concurrency"]): r for r in table}
     for num, den, what in pairs(run):
@@ -168,6 +181,8 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
         if lines:
             md += ["", f"{num} / {den} (medians; {what}):", "", *lines]
     ns = sorted({r["concurrency"] for r in table})
+    if not roof:
+        return md
     md += ["", "| N | weights GB/step | KV GB/step | state GB/step | roofline step ms |", "|---|---|---|---|---|"]
     for n in ns:
         r = next(r for r in table if r["concurrency"] == n)
@@ -176,11 +191,12 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str, title: str) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, run, table = load_levels(argv, __doc__, rows)
+    args, run, table = load_levels(argv, __doc__, rows, bandwidth_required=False)
     stem = args.stem or "compare_" + Path(run.get("model", "model")).parent.name
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", table)
-    md = with_notes(markdown(run, table, str(args.bandwidth_file), args.title or stem), args.note)
+    bandwidth_file = str(args.bandwidth_file) if args.bandwidth_file else None
+    md = with_notes(markdown(run, table, bandwidth_file, args.title or stem), args.note)
     write_table(args.out / f"{stem}.md", md)
     panels = [("per_request", "tokens/s per request"), ("decode", "decode tokens/s (all requests)")]
     plot_levels(table, args.out / f"{stem}.png", args.title or stem, panels)

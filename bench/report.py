@@ -31,14 +31,16 @@ def spread(stat: dict | None) -> str:
     return f"{stat['median']} ({lo}-{hi})" if lo != hi else f"{stat['median']}"
 
 
-def level_parser(doc: str):
-    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file, --out, --title, --note, --stem."""
+def level_parser(doc: str, bandwidth_required: bool = True):
+    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file (optional where ``bandwidth_required`` is
+    false: a report for a GPU kind with no measured copy bandwidth leaves its roofline out), --out, --title, --note,
+    --stem."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("run", type=Path)
     p.add_argument("--inputs", type=Path, required=True)
-    p.add_argument("--bandwidth-file", type=Path, required=True)
+    p.add_argument("--bandwidth-file", type=Path, required=bandwidth_required)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--title", default="")
     p.add_argument(
@@ -63,20 +65,21 @@ def read_inputs(path: Path) -> dict:
     return json.loads(lzma.decompress(raw) if path.suffix == ".xz" else raw)
 
 
-def load_levels(argv: list[str] | None, doc: str, rows) -> tuple:
+def load_levels(argv: list[str] | None, doc: str, rows, bandwidth_required: bool = True) -> tuple:
     """Parse a same-run report's arguments and build its table with ``rows(run, inputs, bandwidth)``: (args, run,
-    table); a missing or unreadable file, or a run with no measured level, ends in one argparse error line."""
+    table); ``bandwidth`` is None where the report allows --bandwidth-file to be left out and it was. A missing or
+    unreadable file, or a run with no measured level, ends in one argparse error line."""
     import json
     import lzma
 
-    p = level_parser(doc)
+    p = level_parser(doc, bandwidth_required)
     args = p.parse_args(argv)
     for f in (args.run, args.inputs, args.bandwidth_file):
-        if not f.is_file():
+        if f is not None and not f.is_file():
             p.error(f"{f}: no such file")
     try:
         run, inputs = json.loads(args.run.read_text()), read_inputs(args.inputs)
-        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]
+        bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"] if args.bandwidth_file else None
         table = rows(run, inputs, bandwidth)
     except (ValueError, KeyError, TypeError, AttributeError, lzma.LZMAError) as e:
         p.error(f"cannot read the run: {type(e).__name__}: {e}")

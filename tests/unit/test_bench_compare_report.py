@@ -56,9 +56,10 @@ def fake_run() -> dict:
     return {"model": MODEL, "formula": "decode tok/s = ...", "variants": variants, "summary": summary, "runs": runs}
 
 
-def report(tmp_path, run: dict):
+def report(tmp_path, run: dict, bandwidth=BANDWIDTH):
     (tmp_path / "run.json").write_text(json.dumps(run))
-    args = [str(tmp_path / "run.json"), "--inputs", str(INPUTS), "--bandwidth-file", str(BANDWIDTH)]
+    args = [str(tmp_path / "run.json"), "--inputs", str(INPUTS)]
+    args += ["--bandwidth-file", str(bandwidth)] if bandwidth else []
     args += ["--note", "What the JSON cannot say.", "--note", "A second paragraph."]
     assert compare_report.main([*args, "--out", str(tmp_path / "out")]) == 0
     stem = tmp_path / "out" / "compare_qwen3.6-35b-a3b-full-3bit"
@@ -96,6 +97,18 @@ def test_a_run_without_exllamav3_has_no_ratio_column_and_its_rows_keep_their_cel
     rows = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24")]
     assert rows and all(line.count("|") == 9 for line in rows if "aphrodite run" not in line)
     assert "- N = 8: per-request 0.800" in md  # the adapter against its base stays
+
+
+def test_without_a_bandwidth_file_the_report_has_no_roofline_rather_than_another_cards(tmp_path):
+    rows, md = report(tmp_path, fake_run(), bandwidth=None)
+    assert len(rows) == 6 and "of_roofline" not in rows["aphrodite-0.24", 1]
+    assert "Roofline: none (no copy bandwidth measured on this GPU kind)." in md
+    head = next(line for line in md.splitlines() if line.startswith("| variant | N |"))
+    assert "roofline" not in head and head.count("|") == 8
+    table = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24 | 1 |")]
+    assert table == ["| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |"]
+    assert "- N = 1: per-request 0.800, decode 0.800; a request's time per token +1.87 ms" in md
+    assert "weights GB/step" not in md
 
 
 def test_a_stem_names_the_files_so_a_second_run_of_one_checkpoint_keeps_the_first(tmp_path):
