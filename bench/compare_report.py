@@ -160,9 +160,8 @@ def markdown(run: dict, table: list[dict], bandwidth_file: str | None, title: st
         over = {"median": r["over_exllamav3"], "min": r["over_exllamav3_min"], "max": r["over_exllamav3_max"]}
         ratio = f"{spread(over)} | " if x3 else ""
         of = f"{r['roofline_per_request']} | {r['of_roofline']} |" if roof else ""
-        md.append(
-            f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | {ratio}{of}".rstrip()
-        )
+        row = f"| {r['variant']} | {r['concurrency']} | {r['repeats']} | {cells[0]} | {cells[1]} | {cells[2]} | "
+        md.append(f"{row}{ratio}{of}".rstrip())
     by = {(r["variant"], r["concurrency"]): r for r in table}
     for num, den, what in pairs(run):
         # the difference as time: a request's time per token changes by 1/num - 1/den (a fixed cost a step shows as
