@@ -304,7 +304,7 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P10"].status.value == ("APPLIED" if skips_idle else "NOT_APPLICABLE"), results["P10"].reason
     # P11 on every release (each reads lm_head.weight; 0.24+ reach it for Qwen3.5/3.6)
     assert results["P11"].status.value == "APPLIED", results["P11"].reason
-    # P12: an opt-in until measured on a GPU (test_p12_mid_batch.py: applied on 0.24+ when opted in)
+    # P12: an opt-in until measured end to end (test_p12_mid_batch.py: applied on 0.24+ when opted in)
     assert results["P12"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P12"].reason
     applied = 7 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))

@@ -70,7 +70,7 @@ def probe_fixed_threshold(live) -> bool:
     """True = the fixed threshold is there and P12 is not."""
     if not midbatch.enabled(os.environ):
         raise NotApplicable(
-            f"an opt-in until measured on a GPU: set {midbatch.ENABLE_ENV}=1 (or {midbatch.KEEP_ENV}=GIB|all) to "
+            f"an opt-in until measured end to end: set {midbatch.ENABLE_ENV}=1 (or {midbatch.KEEP_ENV}=GIB|all) to "
             "choose the EXL3 path at 16 - 256 rows by measurement"
         )
     try:
