@@ -160,7 +160,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         return make_full(args)
     try:
         spec = TinySpec.preset(
-            args.preset, bits=args.bits_given or 4, codebook=args.codebook, seed=args.seed, tp=args.tp, dtype=args.dtype
+            args.preset,
+            bits=args.bits_given or 4,
+            codebook=args.codebook,
+            seed=args.seed,
+            tp=args.tp,
+            dtype=args.dtype,
+            vision=args.vision,
         )
         if args.device:
             _check_device(args.device)
@@ -197,6 +203,7 @@ def make_full(args: argparse.Namespace) -> int:
                 ("seed", args.seed),
                 ("dtype", args.dtype),
                 ("codebook", args.codebook),
+                ("vision", args.vision),
             )
             if v is not None
         }
@@ -272,7 +279,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if hasattr(args, spelled.get(f.name, f.name))
     }
     text_only = args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())
-    options = Options(**{**values, "language_model_only": args.language_model_only or text_only})
+    image_limit = (args.limit_mm_per_prompt or {}).get("image", Options.image_limit)
+    options = Options(
+        **{**values, "language_model_only": args.language_model_only or text_only, "image_limit": image_limit}
+    )
     report = diagnose(args.model_dir, options)
     if args.json:
         print(as_json(report), file=args.json_out)
@@ -347,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Qwen3.5/3.6 are bfloat16); float16 writes the checkpoints of this project before 2026-12-01",
     )
     tiny.add_argument("--no-dense", action="store_true", help="skip the dense twin (benchmarks never read it)")
+    tiny.add_argument(
+        "--vision",
+        default="tiny",
+        choices=["tiny", "published"],
+        help="the vision tower: tiny (default, one block of width 128) or published (the published models' 27 "
+        "blocks of width 1152, 0.8 GiB, for memory-plan rows with vision on)",
+    )
     tiny.add_argument(
         "--preset",
         default="tiny",

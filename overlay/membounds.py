@@ -61,8 +61,12 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
         return b(value // 2, value, "not measured on a GPU under 70 GiB: half to twice the H200's 0.27 GiB")
     if name == "cudagraphs":
         return b(value * 0.21, value * 0.74, "logged / planned 0.79-1.73 on the calibration rows")
-    if name == "vision_encoder":
-        return b(0, value, "the ViT's own activations are not modelled: up to twice the encoder cache")
+    if name == "vision_encoder":  # memvision.py
+        return b(
+            value // 2,
+            value // 2,
+            "the encoder's peak counted from its live tensors, not yet measured against an engine: +/- half",
+        )
     if name == "nccl_buffers":
         return b(
             0,

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import membounds
+from . import membounds, memvision
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -119,6 +119,8 @@ class Engine:
     prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching; None: the default
     release: str | None = None  # the aphrodite-engine release planned for; None: the newest supported
     exl3_keep: int | None = None  # P12's opt-in, HYBRID_EXL3_FIXES_EXL3_KEEP: bytes per GPU, -1 all, None off
+    image_tokens: int | None = None  # the processor's largest image in tokens; None: the published processor's
+    image_limit: int = memvision.DEFAULT_IMAGE_LIMIT  # --limit-mm-per-prompt's image count
 
     def __post_init__(self):
         big = self.gpu_gib >= BIG_GPU_GIB
@@ -411,13 +413,9 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
             "bound (not measured)",
         )
     if not eng.language_model_only and shape.vision:
-        # the encoder cache of the profiling run: the encoder budget of image tokens at the output width
-        budget = eng.max_num_batched_tokens
-        terms["vision_encoder"] = term(
-            budget * (shape.hidden or 0) * 2,
-            f"encoder cache {budget} tokens x {shape.hidden} x 2 B (ViT activations not modelled)",
-            "bound (not measured)",
-        )
+        # the profiling run's vision encoder: its own peak before the text pass, its outputs kept through it
+        extra, formula, _ = memvision.vision_encoder(shape.vision, eng, peak)
+        terms["vision_encoder"] = term(extra, formula, "code structure, estimated (not measured)")
     non_kv = sum(t["bytes"] for k, t in terms.items() if k != "requested")
     available = requested - non_kv
     layout = kv_layout(shape, eng)
@@ -439,6 +437,8 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
             "prefix_caching": eng.prefix_caching_on,
             "release": eng.release or NEWEST_RELEASE,
             "exl3_keep": eng.exl3_keep,
+            "image_limit": eng.image_limit,
+            "image_tokens": eng.image_tokens,
             "defaults": eng.defaults_note,
         },
         "terms": terms,

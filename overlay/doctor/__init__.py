@@ -192,6 +192,7 @@ def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> 
         max_loras=o.max_loras,
         max_lora_rank=o.max_lora_rank,
         language_model_only=o.language_model_only,
+        image_limit=o.image_limit,
         prefix_caching=o.prefix_caching,
         release=release,
         exl3_keep=exl3_keep(report),

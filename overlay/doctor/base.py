@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..memvision import DEFAULT_LONGEST_EDGE as _PUBLISHED_LONGEST_EDGE
+
 GIB = 1 << 30
 MIB = 1 << 20
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
@@ -17,7 +19,7 @@ KNOWN_ARCHS = {
 # Column-parallel projections split their output across TP ranks, row-parallel ones their input.
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz")
 ROW = ("o_proj", "down_proj", "out_proj")
-DEFAULT_LONGEST_EDGE = 16_777_216
+DEFAULT_LONGEST_EDGE = _PUBLISHED_LONGEST_EDGE  # the published preprocessor_config.json size.longest_edge
 # --dtype values aphrodite accepts, by the activation dtype they give (auto: the config's)
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32", "half", "float", "auto")
@@ -39,6 +41,7 @@ class Options:
     kv_dtype: str = "auto"
     utilization: float = 0.92
     language_model_only: bool = False
+    image_limit: int = 999  # --limit-mm-per-prompt's image count (aphrodite's default for a modality left unset)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from .. import memplan
@@ -81,7 +82,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         )
     if not gpu_mem:
         return plan
-    engine = memplan.plan(shape, tensors, eng, exl3=bool(exl3_weights))
+    engine = memplan.plan(shape, tensors, replace(eng, image_tokens=img_tokens), exl3=bool(exl3_weights))
     cap = engine["capacity"]
     pool = engine["available_kv_bytes"]
     u = engine["uncertainty"]

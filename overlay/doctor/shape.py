@@ -34,7 +34,7 @@ class Shape:
     gdn: dict | None = None  # value_heads, key_heads, key_dim, value_dim, kernel
     max_position: int | None = None
     quant: dict = field(default_factory=dict)  # quant_method, head_bits (validated)
-    vision: dict | None = None  # patch, merge
+    vision: dict | None = None  # VISION_FIELDS' keys, deepstack (merger count), out_hidden
     declared_dtype: str | None = None
     name_or_path: str | None = None
     moe: dict | None = None  # experts, per_token, intermediate, shared_intermediate (MoE configs)
@@ -63,6 +63,20 @@ class Shape:
 FIX_CONFIG = " (compare with the base model's config.json)"
 # the GDN recurrent state dtypes a config may name (aphrodite config/cache.py MambaDType, less "auto")
 SSM_DTYPES = ("float32", "bfloat16", "float16")
+# config.json vision_config: plan key -> field. Defaults: the published Qwen3.5/3.6 vision tower
+# (huggingface.co/Qwen/Qwen3.6-27B config.json vision_config: depth 27, hidden_size 1152, intermediate_size 4304,
+# num_heads 16, patch_size 16, temporal_patch_size 2, spatial_merge_size 2, deepstack_visual_indexes [])
+VISION_FIELDS = {
+    "patch": "patch_size",
+    "merge": "spatial_merge_size",
+    "temporal": "temporal_patch_size",
+    "channels": "in_channels",
+    "depth": "depth",
+    "width": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_heads",
+}
+VISION_DEFAULTS = dict(patch=16, merge=2, temporal=2, channels=3, depth=27, width=1152, intermediate=4304, heads=16)
 
 
 def parse_config(config: dict) -> tuple[Shape, list[str]]:
@@ -156,10 +170,14 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
     vision = top.object("vision_config")
     if vision is not None:
         v = Fields(vision, "config.json vision_config")
+        # the encoder's dimensions size the profiling run's vision term (memplan.vision_encoder); a field left out
+        # takes the published Qwen3.5/3.6 vision tower's value (VISION_DEFAULTS)
         shape.vision = {
-            "patch": v.positive_int("patch_size", required=False) or 16,
-            "merge": v.positive_int("spatial_merge_size", required=False) or 2,
+            key: v.positive_int(name, required=False) or VISION_DEFAULTS[key] for key, name in VISION_FIELDS.items()
         }
+        stack = vision.get("deepstack_visual_indexes")
+        shape.vision["deepstack"] = len(stack) if isinstance(stack, list) else 0
+        shape.vision["out_hidden"] = v.positive_int("out_hidden_size", required=False) or shape.hidden or 0
         top.problems += v.problems
     return shape, top.problems + text.problems
 

@@ -75,6 +75,14 @@ QWEN36_35B_A3B_LAYER = dict(
 )
 
 
+# The vision tower's sizes: "published" as huggingface.co/Qwen/Qwen3.6-27B's config.json vision_config has them
+# (depth 27, hidden_size 1152, intermediate_size 4304, num_heads 16, num_position_embeddings 2304; the 35B-A3B's
+# are the same), "tiny" one block of width 128
+VISION_TOWERS: dict[str, dict] = {
+    "tiny": dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, num_position_embeddings=64),
+    "published": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, num_position_embeddings=2304),
+}
+
 # Named shapes (TinySpec.preset, make-tiny --preset); each stays 128-aligned per rank at TP=2.
 PRESETS: dict[str, dict] = {
     "tiny": {},
@@ -156,6 +164,9 @@ class TinySpec:
     expert_codebook: str = "mcg"  # aphrodite's EXL3 MoE kernel takes mcg on every release (doctor)
     # lm_head as EXL3 at this bitrate (config head_bits); None keeps it a float16 linear
     head_bits: int | None = None
+    # the vision tower: "tiny" (one block of width 128) or "published" (the published Qwen3.5/3.6 tower's
+    # dimensions, VISION_PUBLISHED: ~0.43 B bfloat16 parameters, for the memory plan's vision rows)
+    vision: str = "tiny"
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TinySpec:
@@ -188,6 +199,8 @@ def _check(spec: TinySpec) -> None:
         raise ValueError(f"ssm_dtype must be float32, {', '.join(DTYPES)} or None, got {spec.ssm_dtype!r}")
     if spec.codebook not in (*codec.CODEBOOKS, "mixed"):
         raise ValueError(f"codebook must be one of {codec.CODEBOOKS + ('mixed',)}, got {spec.codebook!r}")
+    if spec.vision not in VISION_TOWERS:
+        raise ValueError(f"vision must be one of {', '.join(VISION_TOWERS)}, got {spec.vision!r}")
     if not 1 <= spec.bits <= 8:
         raise ValueError(f"bits must be 1..8, got {spec.bits}")
     if spec.head_bits is not None and not (isinstance(spec.head_bits, int) and 1 <= spec.head_bits <= 8):
@@ -304,20 +317,16 @@ def hf_config(spec: TinySpec) -> dict:
             router_aux_loss_coef=0.001,
             shared_expert_intermediate_size=spec.shared_intermediate,
         )
-    # the vision tower: one block of a small width (its published depth 27, width 1152 are a deliberate
-    # difference); deepstack_visual_indexes and hidden_act are required by exllamav3's reader
-    # (read_qwen3_vl_vision_config, no default)
+    # the vision tower: by default one block of a small width (the published depth 27, width 1152 are a deliberate
+    # difference; spec.vision "published" writes them); deepstack_visual_indexes and hidden_act are required by
+    # exllamav3's reader (read_qwen3_vl_vision_config, no default)
     vision = {
         "deepstack_visual_indexes": [],
-        "depth": 1,
         "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 128,
         "in_channels": 3,
         "initializer_range": 0.02,
-        "intermediate_size": 256,
         "model_type": "qwen3_5_moe" if spec.experts else "qwen3_5",
-        "num_heads": 2,
-        "num_position_embeddings": 64,
+        **VISION_TOWERS[spec.vision],
         "out_hidden_size": spec.hidden,
         "patch_size": 16,
         "spatial_merge_size": 2,

@@ -55,19 +55,20 @@ def _global_state(spec: TinySpec, cfg: dict, draw: Draw) -> dict:
     }
     if spec.head_bits is None:
         state["lm_head.weight"] = rnd(spec.vocab, spec.hidden, std=HEAD_STD)
-    b = "model.visual.blocks.0."
     h = v["hidden_size"]
-    for name, shape in {"norm1": (h,), "norm2": (h,)}.items():
-        state[b + name + ".weight"] = draw.ones(*shape)
-        state[b + name + ".bias"] = rnd(*shape)
-    for name, (o, i) in {
-        "attn.qkv": (3 * h, h),
-        "attn.proj": (h, h),
-        "mlp.linear_fc1": (v["intermediate_size"], h),
-        "mlp.linear_fc2": (h, v["intermediate_size"]),
-    }.items():
-        state[b + name + ".weight"] = rnd(o, i)
-        state[b + name + ".bias"] = rnd(o)
+    for block in range(v["depth"]):
+        b = f"model.visual.blocks.{block}."
+        for name, shape in {"norm1": (h,), "norm2": (h,)}.items():
+            state[b + name + ".weight"] = draw.ones(*shape)
+            state[b + name + ".bias"] = rnd(*shape)
+        for name, (o, i) in {
+            "attn.qkv": (3 * h, h),
+            "attn.proj": (h, h),
+            "mlp.linear_fc1": (v["intermediate_size"], h),
+            "mlp.linear_fc2": (h, v["intermediate_size"]),
+        }.items():
+            state[b + name + ".weight"] = rnd(o, i)
+            state[b + name + ".bias"] = rnd(o)
     return state
 
 

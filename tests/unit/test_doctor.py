@@ -307,8 +307,9 @@ def test_one_options_object_and_the_command_line_agree(tiny):
     cli_names = {"gpu_memory_utilization": "utilization", "enable_prefix_caching": "prefix_caching"}
     defaults = {cli_names.get(k, k): v for k, v in vars(args).items()}
     for f in dataclasses.fields(Options):
-        if f.name != "check_overlay":
+        if f.name not in ("check_overlay", "image_limit"):  # image_limit: --limit-mm-per-prompt's image count
             assert defaults[f.name] == f.default, f.name
+    assert args.limit_mm_per_prompt is None and Options.image_limit == 999  # aphrodite's count for an unset modality
 
 
 READ_ONLY = """

@@ -265,3 +265,66 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, r
     loading = memplan.loading_bytes(terms)
     assert abs(loading / memplan.GIB - logged) < 0.05, (loading / memplan.GIB, logged)
     assert terms["exl3_moe_scratch"]["bytes"] / memplan.GIB > 0.5  # the term the earlier plan missed
+
+
+def published_vision_shape():
+    from hybrid_exl3_fixes.exl3.stream import full_spec
+    from hybrid_exl3_fixes.exl3.tinyspec import hf_config
+
+    return report.shape_of(hf_config(full_spec("qwen3.6-27b-full", vision="published")))
+
+
+def test_the_vision_term_restates_the_profiling_runs_encoder_budget():
+    """memvision: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's largest size
+    (16,384 tokens, 65,536 patches for the published processor) unless the batched-token budget holds more."""
+    from hybrid_exl3_fixes import memplan, memvision
+
+    shape = published_vision_shape()
+    assert shape.vision == dict(
+        patch=16, merge=2, temporal=2, channels=3, depth=27, width=1152, intermediate=4304, heads=16, deepstack=0,
+        out_hidden=5120,
+    )  # fmt: skip
+    assert memvision.image_tokens(shape.vision) == 16384 and memvision.video_tokens(shape.vision) == 12288
+
+    def items(**engine):
+        return memvision.profiled_items(16384, memplan.Engine(141, **engine))
+
+    assert items(max_model_len=65536) == 1  # budget max(8192, 16384): one image
+    assert items(max_model_len=65536, max_num_batched_tokens=40000) == 2
+    assert items(max_model_len=8192, max_num_batched_tokens=40000, max_num_seqs=1) == 1  # one prompt, one image
+    assert items(max_model_len=65536, max_num_batched_tokens=40000, max_num_seqs=1, image_limit=3) == 2
+
+
+def test_the_vision_term_is_the_encoders_excess_over_the_text_pass():
+    """The held-out deployment's engine (issue 34: a 27B-shaped bfloat16 model, TP 4, three images a prompt,
+    --max-num-batched-tokens 8192): the encoder's own peak over 65,536 patches is larger than the text pass's, so
+    the term is the difference, where the earlier plan had only the encoder cache (84 MB)."""
+    from hybrid_exl3_fixes import memplan, memvision
+
+    shape = published_vision_shape()
+    eng = memplan.Engine(23.5, tp=4, max_model_len=65536, max_num_seqs=8, max_num_batched_tokens=8192, image_limit=3)
+    tensors = {"model.language_model.w": {"bytes": 52 << 30}, "model.visual.w": {"bytes": 830 << 20}}
+    plan = memplan.plan(shape, tensors, eng, exl3=False)
+    text_peak = plan["terms"]["activation_peak"]["bytes"]
+    n, w = 65536, 1152
+    vit = n * 1536 * 2 + n * w * 2 + n * 2 * max(3 * w + 8 * w // 4, 2 * w + 2 * 4304 // 4)
+    assert memvision.vision_encoder(shape.vision, eng, text_peak)[2]["vit_peak"] == vit
+    assert plan["terms"]["vision_encoder"]["bytes"] == vit - text_peak > 16384 * 5120 * 2
+    assert 0.4 < plan["terms"]["vision_encoder"]["bytes"] / memplan.GIB < 0.7  # 0.52 GiB
+    text_only = memplan.plan(shape, tensors, memplan.Engine(**{**eng.__dict__, "language_model_only": True}), False)
+    assert "vision_encoder" not in text_only["terms"]
+    # images off, video on: the video's largest item (12,288 tokens) is profiled instead
+    video = memplan.plan(shape, tensors, memplan.Engine(**{**eng.__dict__, "image_limit": 0}), False)
+    assert 0 < video["terms"]["vision_encoder"]["bytes"] < plan["terms"]["vision_encoder"]["bytes"]
+
+
+def test_doctor_reads_the_image_limit_and_the_processors_image_size(tmp_path, capsys):
+    from hybrid_exl3_fixes.cli import main
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--gpu-mem", "24"]
+    main([*base, "--limit-mm-per-prompt", '{"image": 3}'])
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["engine"]["image_limit"] == 3 and plan["engine"]["image_tokens"] == 16384
+    assert "1 image(s) x 16,384 tokens = 65,536 patches" in plan["terms"]["vision_encoder"]["formula"]
