@@ -165,7 +165,7 @@ fulldepth() {  # PRESETS
 cal() {  # NAMES (bench/memory_calibration.py's configuration names; empty: every one)
   local models=/tmp/hxf-cal/models names=",$1,"
   wants() { [ "$names" = ",," ] || case "$names" in *",$1"*) return 0 ;; *) return 1 ;; esac; }  # a name starting with $1
-  wants 9b- && mk "$models/9b" --preset qwen3.5-9b-full
+  wants 9b- && mk "$models/9b" --preset qwen3.5-9b-full --vision published  # the tower only the vision row reads
   wants 27b-4layer && mk "$models/27b4" --preset qwen3.6-27b --codebook mcg --device cuda
   wants 27b-24g && mk "$models/27b" --preset qwen3.6-27b-full
   wants 35b4- && mk "$models/35b4" --preset qwen3.6-35b-a3b --device cuda
