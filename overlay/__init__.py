@@ -51,6 +51,7 @@ PATCHES: list[Patch] = [
     _p1.PATCH_P9,  # before P7: P7's chunks then reach P9, each sanitised for its own size
     _p1.PATCH_P7,
     _p1.PATCH_P10,
+    _p1.PATCH_P13,  # after P10: the LoRA kernel is given once the layer's own load has finished
     _p11.PATCH,
 ]
 REGISTRY = Registry(PATCHES)

@@ -176,6 +176,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P9", "NOT_APPLICABLE"),  # 0.20/0.21 never give padding rows expert id -1; applied before P7 (it wraps P9)
         ("P7", "APPLIED"),
         ("P10", "NOT_APPLICABLE"),  # 0.20/0.21 route every warm-up row to a real expert
+        ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P11", "APPLIED"),
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
@@ -256,6 +257,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P7": "APPLIED",
         "P9": "NOT_APPLICABLE",  # 0.20/0.21 never give padding rows expert id -1
         "P10": "NOT_APPLICABLE",  # nor do they skip idle exl3_moe launches
+        "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
@@ -306,6 +308,8 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P11"].status.value == "APPLIED", results["P11"].reason
     # P12: an opt-in until measured end to end (test_p12_mid_batch.py: applied on 0.24+ when opted in)
     assert results["P12"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P12"].reason
+    # P13: an opt-in until checked on a GPU (test_p13_moe_expert_lora.py: applied on 0.21+ when opted in)
+    assert results["P13"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P13"].reason
     applied = 7 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
@@ -367,7 +371,7 @@ def test_the_patches_that_check_a_tag_after_apply_say_so():
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13"}
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason

@@ -81,6 +81,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P7": "APPLIED",
             "P9": "NOT_APPLICABLE",
             "P10": "NOT_APPLICABLE",
+            "P13": "NOT_APPLICABLE",
             "P11": "APPLIED",
         }
         applied = 7 if APHRODITE_VERSION == "0.20.0" else 8
@@ -99,6 +100,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P10"] == ("NOT_APPLICABLE" if idle_launch else "APPLIED")
         assert out["results"]["P11"] == "APPLIED"  # the LoRA wrapper of an EXL3 lm_head, every release
         assert out["results"]["P12"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MID_BATCH=1)
+        assert out["results"]["P13"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1)
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -303,6 +305,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P7": "UPSTREAM_FIXED",
         "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding_ids.py reads it
         "P10": "NOT_APPLICABLE",  # 0010 applies to 0.24.1, where tests/unit/test_p10_moe_context.py reads it
+        "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "UPSTREAM_FIXED",
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.

@@ -19,7 +19,9 @@ How:     ``FusedMoEWithLoRA.can_replace_layer`` and ``FusedMoE3DWithLoRA.can_rep
          silently, a wrong answer, so ``WorkerLoRAManager._load_adapter`` refuses it before
          anything is registered: ``ValueError`` naming the modules, which the server answers as
          an error response to ``/v1/load_lora_adapter`` (or a start-up error for
-         ``--lora-modules``) while the engine keeps running.
+         ``--lora-modules``) while the engine keeps running. A layer whose quant method offers a
+         LoRA-capable ``moe_kernel`` (P13's, opted in) is left to the wrapper, and adapters are
+         refused only while some EXL3 MoE layer stays unwrapped.
 Probe:   the live ``can_replace_layer`` accepts a stand-in EXL3 MoE layer (an uninitialised
          FusedMoE/MoERunner instance with the ``w13_*``/``w2_*`` placeholders, on the layer or on
          its ``routed_experts``) and ``Exl3MoEMethod`` offers ``FusedMoEWithLoRA`` no kernel: it
@@ -101,13 +103,25 @@ def probe_exl3_moe_lora(live: dict[str, Live]) -> bool:
     return wraps and exl3_moe_method_has_no_lora_kernel()
 
 
+def has_lora_kernel(layer: Any) -> bool:
+    """Whether the layer's quant method offers ``FusedMoEWithLoRA`` a kernel that takes LoRA (P13's, or a later
+    release's own), on the layer (0.20/0.21) or its ``routed_experts`` (0.22+)."""
+    method = getattr(getattr(layer, "routed_experts", layer), "quant_method", None)
+    kernel = getattr(method, "moe_kernel", None)
+    try:
+        return kernel is not None and bool(kernel.supports_lora())
+    except Exception:  # noqa: BLE001 - a kernel that cannot say is not one to hand LoRA to
+        return False
+
+
 def exl3_moe_names(model: Any) -> list[str]:
-    """The model's MoE modules whose experts are EXL3 (FusedMoE or MoERunner, never a LoRA wrapper)."""
+    """The model's MoE modules whose experts are EXL3 and that no LoRA wrapper took (FusedMoE or MoERunner; a
+    wrapped one is the wrapper's ``base_layer``)."""
     cls = moe_layer_class()
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, cls) and exl3_placeholder(module) is not None
+        if isinstance(module, cls) and exl3_placeholder(module) is not None and not name.endswith("base_layer")
     ]
 
 
@@ -142,7 +156,9 @@ def refusal(lora_request: Any, modules: list[str], layers: int) -> str:
         f"targets the routed experts of EXL3 MoE layers ({layers} in this model): {shown}. Aphrodite's EXL3 MoE "
         "method has no LoRA kernel, so these weights cannot be applied; the adapter is refused, nothing was "
         "loaded. Adapters on the attention, GatedDeltaNet and shared-expert projections are served: train "
-        "without the routed experts (leave mlp.experts out of PEFT's target_modules). [hybrid-exl3-fixes P5]"
+        "without the routed experts (leave mlp.experts out of PEFT's target_modules), or, on aphrodite 0.21+, "
+        "opt into the overlay's P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1; not yet checked on a GPU). "
+        "[hybrid-exl3-fixes P5]"
     )
 
 
@@ -152,7 +168,7 @@ def build(live: dict[str, Live]) -> dict[str, Any]:
         original = live[key].function
 
         def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, _o=original):
-            if exl3_placeholder(source_layer) is not None:
+            if exl3_placeholder(source_layer) is not None and not has_lora_kernel(source_layer):
                 return False
             return _o(cls, source_layer, lora_config, packed_modules_list, model_config)
 

@@ -9,6 +9,7 @@ its Why / How / Probe / Upstream / Retire when, and cites its docs/upstream/ pag
 - P7  ``p7_moe_graph``     EXL3 routed experts over the fused kernel's capacity in a CUDA graph
 - P9  ``p9_moe_padding``   EXL3 routed experts and the padding rows' expert id -1 (0.23+)
 - P10 ``p10_moe_context``  the fused MoE kernel's device context before CUDA-graph capture (0.24+)
+- P13 ``p13_moe_expert_lora`` LoRA on EXL3 routed experts: a LoRA-capable modular kernel (0.21+, an opt-in)
 
 ``common`` holds what they share.
 """
@@ -23,5 +24,6 @@ from .p8_kernel_choice import PATCH_P8
 from .p9_moe_padding import PATCH_P9
 from .p10_moe_context import PATCH_P10
 from .p12_mid_batch import PATCH_P12
+from .p13_moe_expert_lora import PATCH_P13
 
-__all__ = ["PATCH", "PATCH_P3", "PATCH_P4", "PATCH_P7", "PATCH_P8", "PATCH_P9", "PATCH_P10", "PATCH_P12"]
+__all__ = ["PATCH", "PATCH_P3", "PATCH_P4", "PATCH_P7", "PATCH_P8", "PATCH_P9", "PATCH_P10", "PATCH_P12", "PATCH_P13"]

@@ -1,0 +1,94 @@
+"""P13: LoRA on the routed experts of EXL3 MoE layers: a LoRA-capable modular kernel for ``Exl3MoEMethod`` (0.21+).
+
+Target: ``aphrodite/model_executor/layers/quantization/exl3.py``.
+
+Why:     ``FusedMoEWithLoRA`` computes a MoE layer's experts with LoRA through the quant method's modular kernel
+         (``quant_method.moe_kernel``, whose experts class mixes in ``LoRAExpertsMixin``); ``Exl3MoEMethod`` has none:
+         its ``exl3_moe`` kernel fuses gate/up, the activation and down, so no expert delta can be added between them.
+         Without the overlay an EXL3 MoE hybrid with ``--enable-lora`` stops at start-up; with P5 it serves every
+         adapter but those on the routed experts, which P5 refuses by name (docs/upstream/exl3-moe-lora-device.md).
+How:     after the original ``process_weights_after_loading``, when LoRA is on (``moe.is_lora_enabled``), the method
+         gets ``moe_kernel``: no DP/EP prepare and finalize and ``Exl3LoRAExperts`` (hybrid_exl3_fixes.exl3.moe_lora):
+         the fused kernel for batches without LoRA, else gate/up per (token, expert) assignment from the EXL3
+         kernels, aphrodite's ``apply_w13_lora``, the activation, down with the routed weights, ``apply_w2_lora``.
+         ``FusedMoEWithLoRA`` then wraps the layer as it wraps any LoRA-capable MoE, and aphrodite's adapter loading
+         stacks both PEFT forms (per-expert modules, ``target_parameters`` on fused experts) into its buffers. P5
+         leaves a layer with such a kernel to the wrapper and stops refusing expert adapters for it.
+Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``) until a GPU run has checked it against HF + PEFT;
+         NOT_APPLICABLE without ``LoRAExpertsMixin`` (0.20) or where ``FusedMoEWithLoRA`` does not take the quant
+         method's ``moe_kernel`` (checked in its source); buggy while ``Exl3MoEMethod`` gives itself no kernel.
+Upstream: not reported yet; the design and its sources are docs/drafts/p13-moe-expert-lora.md.
+Retire when: an aphrodite release gives EXL3 MoE a LoRA-capable kernel and is the oldest supported one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import exl3_moe_method_has_no_lora_kernel
+from hybrid_exl3_fixes.exl3 import moe_lora
+from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry
+
+from .common import after_loading
+from .p10_moe_context import MOE_LOAD
+
+LORA_WRAPPER = "aphrodite.lora.layers.fused_moe"
+
+
+def probe_moe_expert_lora(live) -> bool:
+    """True = the EXL3 MoE method has no LoRA-capable kernel and P13 is not in place."""
+    if not moe_lora.enabled(os.environ):
+        raise NotApplicable(
+            f"an opt-in until checked on a GPU: set {moe_lora.ENABLE_ENV}=1 to serve adapters on the routed experts "
+            "of EXL3 MoE layers (without it P5 refuses them by name)"
+        )
+    if moe_lora.lora_experts_mixin() is None:
+        raise NotApplicable("this release has no LoRAExpertsMixin, which the MoE LoRA kernels need (0.21+)")
+    import importlib
+
+    wrapper = getattr(importlib.import_module(LORA_WRAPPER), "FusedMoEWithLoRA", None)
+    try:
+        source = inspect.getsource(wrapper.__init__)
+    except (AttributeError, OSError, TypeError) as exc:
+        raise Drift(f"{LORA_WRAPPER}.FusedMoEWithLoRA.__init__ has no readable source: {exc}") from exc
+    if "supports_internal_mk" not in source or "moe_kernel" not in source:
+        raise Drift("FusedMoEWithLoRA no longer takes the quant method's moe_kernel (supports_internal_mk)")
+    try:
+        experts = moe_lora.experts_class()
+    except (ImportError, AttributeError, NotImplementedError) as exc:
+        raise Drift(f"the EXL3 LoRA experts cannot be built on this release: {exc}") from exc
+    if getattr(experts, "__abstractmethods__", None):
+        raise Drift(f"the EXL3 LoRA experts miss {sorted(experts.__abstractmethods__)} of this release's interface")
+    return exl3_moe_method_has_no_lora_kernel() and "P13" not in Registry._tags(live[MOE_LOAD.key].raw)
+
+
+def give_lora_kernel(method: Any, layer: Any) -> None:
+    """With LoRA on, the method's ``moe_kernel`` for ``FusedMoEWithLoRA`` (nothing changes with LoRA off)."""
+    if getattr(method.moe, "is_lora_enabled", False) and method.moe_kernel is None:
+        method.moe_kernel = moe_lora.make_kernel(method, layer)
+
+
+def build(live) -> dict[str, Any]:
+    original = live[MOE_LOAD.key].function
+    failure = (
+        "hybrid-exl3-fixes: P13 could not give the EXL3 MoE layer %s a LoRA kernel; adapters on its routed experts "
+        "are refused (P5)"
+    )
+    return {MOE_LOAD.key: after_loading("P13", original, give_lora_kernel, failure, "layer_name")}
+
+
+PATCH_P13 = Patch(
+    id="P13",
+    slug="exl3-moe-expert-lora",
+    title="EXL3 MoE + LoRA on the routed experts: a LoRA-capable modular kernel (the decomposed expert MLP with "
+    "aphrodite's MoE-LoRA kernels), an opt-in until checked on a GPU",
+    upstream="docs/drafts/p13-moe-expert-lora.md (not reported upstream)",
+    fixed_in=None,
+    retire_when="an aphrodite release gives EXL3 MoE a LoRA-capable kernel and is the oldest supported one",
+    targets=(MOE_LOAD,),
+    probe=probe_moe_expert_lora,
+    build=build,
+    checks_tag_after_apply=True,
+)

@@ -1,0 +1,163 @@
+"""P13 without a GPU: the opt-in, the registry entry on every release, the EXL3 LoRA experts built on each release's
+own modular-kernel classes and accepted by its ``FusedMoEKernel`` as LoRA-capable, the host-side helpers on fake
+inputs, and P5 stepping aside for a layer whose quant method offers such a kernel. The decomposed path's numbers
+(EXL3 kernels, MoE-LoRA Triton kernels) need the GPU: against HF + PEFT in the MoE server suite
+(docs/drafts/p13-moe-expert-lora.md has the plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import pytest
+import torch
+
+from helpers import APHRODITE_VERSION, needs_aphrodite
+from hybrid_exl3_fixes.exl3 import moe_lora
+
+HAS_MIXIN = APHRODITE_VERSION not in (None, "0.20.0")
+EXL3 = "aphrodite.model_executor.layers.quantization.exl3"
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("on", True), ("TRUE", True), ("", False), ("0", False)])
+def test_the_opt_in(value, on):
+    assert moe_lora.enabled({moe_lora.ENABLE_ENV: value}) is on and not moe_lora.enabled({})
+
+
+@needs_aphrodite
+def test_p13_is_an_opt_in(overlay):
+    result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
+    assert result.status.value == "NOT_APPLICABLE" and moe_lora.ENABLE_ENV in result.reason, result.reason
+
+
+@needs_aphrodite
+def test_p13_applies_where_the_lora_experts_mixin_is(overlay, monkeypatch):
+    monkeypatch.setenv(moe_lora.ENABLE_ENV, "1")
+    exl3 = importlib.import_module(EXL3)
+    before = vars(exl3.Exl3MoEMethod)["process_weights_after_loading"]
+    result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
+    if HAS_MIXIN:
+        assert result.status.value == "APPLIED", result.reason
+        assert "P13" in overlay.REGISTRY._tags(vars(exl3.Exl3MoEMethod)["process_weights_after_loading"])
+        overlay.undo_all()
+        assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
+    else:
+        assert result.status.value == "NOT_APPLICABLE" and "LoRAExpertsMixin" in result.reason, result.reason
+        assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
+
+
+def moe_config(**over):
+    """A real FusedMoEConfig of the tiny MoE's shape (4 experts of 256, 2 active, hidden 256), LoRA on."""
+    from aphrodite.model_executor.layers.fused_moe import config
+    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
+
+    values = dict(
+        num_experts=4,
+        experts_per_token=2,
+        hidden_dim=256,
+        intermediate_size_per_partition=256,  # 0.21's name
+        intermediate_size=256,  # 0.24's
+        num_local_experts=4,
+        num_logical_experts=4,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=next(iter(config.RoutingMethodType)),
+        moe_parallel_config=config.FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+        is_lora_enabled=True,
+        **over,
+    )
+    names = {f.name for f in dataclasses.fields(config.FusedMoEConfig)}
+    return config.FusedMoEConfig(**{k: v for k, v in values.items() if k in names})
+
+
+@pytest.mark.skipif(not HAS_MIXIN, reason="0.20.0 has no LoRAExpertsMixin: P5 keeps refusing expert adapters there")
+def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
+    import aphrodite.model_executor.layers.fused_moe.modular_kernel as mk
+    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
+    from aphrodite.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from aphrodite.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    cls = moe_lora.experts_class()
+    assert not cls.__abstractmethods__ and issubclass(cls, moe_lora.lora_experts_mixin())
+    experts = cls(object(), object(), moe_config(), FUSED_MOE_UNQUANTIZED_CONFIG)
+    kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
+    # what FusedMoEWithLoRA.__init__ asks of the kernel it takes from the quant method
+    assert kernel.supports_lora() and type(kernel.impl).__name__ == "FusedMoEKernelModularImpl"
+    assert kernel.fused_experts is experts  # 0.24's FusedMoEModularMethod reads its moe_config from there
+    if hasattr(kernel, "supports_expert_map"):  # 0.21's FusedMoEModularMethod asks; EXL3 MoE has no expert map
+        assert kernel.supports_expert_map() is False
+    # cache1 (M x topk, 2I) in workspace13, the activation (M x topk, I) in workspace2, the output (M, H)
+    assert experts.workspace_shapes(5, 512, 256, 2, 4, 4, None, MoEActivation.SILU) == ((10, 512), (10, 256), (5, 256))
+    assert experts.activation_format() == mk.FusedMoEActivationFormat.Standard
+    assert cls._supports_activation(MoEActivation.SILU) and not cls._supports_no_act_and_mul()
+
+
+def test_shape_tensors_carry_the_shapes_without_the_memory():
+    layer = types.SimpleNamespace(
+        local_num_experts=256,
+        exl3_intermediate_size_per_partition=512,
+        hidden_size=2048,
+        exl3_gate_ptrs_trellis=torch.zeros(256, dtype=torch.long),
+    )
+    w1, w2 = moe_lora.shape_tensors(layer, torch.bfloat16)
+    assert w1.shape == (256, 1024, 2048) and w2.shape == (256, 2048, 512)
+    assert (
+        w1.untyped_storage().nbytes() == 2
+        and w1.dtype == torch.bfloat16
+        and w1.device == layer.exl3_gate_ptrs_trellis.device
+    )
+
+
+def test_assignments_are_grouped_by_expert_with_their_flat_positions():
+    ids = torch.tensor([[2, 0], [0, 3], [2, 3]])  # three tokens, two experts each
+    got = [(e, pos.tolist()) for e, pos in moe_lora.assignments_by_expert(ids)]
+    assert [e for e, _ in got] == [0, 2, 3]
+    assert {e: sorted(p) for e, p in got} == {0: [1, 2], 2: [0, 4], 3: [3, 5]}  # position t * 2 + j
+    for expert, pos in got:
+        assert all(ids.reshape(-1)[p] == expert for p in pos)
+
+
+def test_a_batch_without_lora_is_told_by_the_punica_flag():
+    def ctx(flag):
+        meta = types.SimpleNamespace(no_lora_flag_cpu=torch.tensor([flag]))
+        return types.SimpleNamespace(punica_wrapper=types.SimpleNamespace(token_mapping_meta=meta))
+
+    assert moe_lora.batch_has_lora(ctx(False)) and not moe_lora.batch_has_lora(ctx(True))
+    # a wrapper without the flag: the decomposed path, which is right for either
+    assert moe_lora.batch_has_lora(types.SimpleNamespace(punica_wrapper=object()))
+
+
+@needs_aphrodite
+def test_p5_leaves_a_layer_with_a_lora_capable_kernel_to_the_wrapper(overlay):
+    """P5 declines an EXL3 MoE layer for LoRA unless its quant method offers a LoRA-capable ``moe_kernel`` (P13's):
+    the live wrapper's own answer then stands."""
+    from hybrid_exl3_fixes.aphrodite.lora.layers import fused_moe as p5
+
+    overlay.apply_all()
+    module = importlib.import_module(p5.MODULE)
+    wrapper = module.FusedMoE3DWithLoRA
+    layer = p5.stand_in_exl3_moe_layer()
+    assert wrapper.can_replace_layer(layer, None, ["w13"]) is False  # no kernel: declined (P5)
+    holder = getattr(layer, "routed_experts", layer)  # where FusedMoEWithLoRA reads the quant method
+    # the stand-in was never initialised: the quant method set where an initialised layer has it (fake inputs)
+    holder.__dict__["quant_method"] = types.SimpleNamespace(
+        moe_kernel=types.SimpleNamespace(supports_lora=lambda: True)
+    )
+    assert p5.has_lora_kernel(layer)
+    assert wrapper.can_replace_layer(layer, None, ["w13"]) is True  # the wrapper's own answer for a MoE layer
+    holder.__dict__["quant_method"] = types.SimpleNamespace(moe_kernel=None)
+    assert not p5.has_lora_kernel(layer) and wrapper.can_replace_layer(layer, None, ["w13"]) is False
+
+
+@needs_aphrodite
+def test_p5_counts_only_the_exl3_moe_layers_no_wrapper_took():
+    from hybrid_exl3_fixes.aphrodite.lora.layers import fused_moe as p5
+
+    model = torch.nn.Module()
+    model.add_module("unwrapped", p5.stand_in_exl3_moe_layer())
+    wrapped = torch.nn.Module()
+    wrapped.add_module("base_layer", p5.stand_in_exl3_moe_layer())
+    model.add_module("wrapped", wrapped)
+    assert p5.exl3_moe_names(model) == ["unwrapped"]
