@@ -63,12 +63,59 @@ class Reference:
         # Qwen3_5ForConditionalGeneration, or Qwen3_5MoeForConditionalGeneration for a MoE twin
         arch = json.loads((tiny / "dense" / "config.json").read_text())["architectures"][0]
         base = getattr(transformers, arch).from_pretrained(tiny / "dense", dtype=torch.float32).cuda().eval()
-        model = PeftModel.from_pretrained(base, tiny / adapters[0], adapter_name=adapters[0])
+        # an adapter on the routed experts (make-tiny's lora-experts: keys per expert) has no PEFT module to load
+        # into on transformers' fused experts: PEFT takes its other keys, ``merged_experts`` adds the expert deltas
+        # to the fused weights, exactly W + (alpha / r) B A per expert
+        self.expert_deltas = {name: expert_lora(tiny / name) for name in adapters}
+        self.expert_deltas = {name: d for name, d in self.expert_deltas.items() if d}
+        folders = {
+            name: without_experts(tiny / name) if name in self.expert_deltas else tiny / name for name in adapters
+        }
+        model = PeftModel.from_pretrained(base, folders[adapters[0]], adapter_name=adapters[0])
         for name in adapters[1:]:
-            model.load_adapter(tiny / name, adapter_name=name)
+            model.load_adapter(folders[name], adapter_name=name)
         self.model, self.torch, self.cache = model.eval(), torch, {}
         self.tiny, self.arch = tiny, arch
         self.dropped: tuple[str, ...] = ()  # module-name suffixes whose LoRA deltas ``dropping`` removed
+        self.experts_off = False  # ``without_expert_deltas``: the reference of an engine that ignored them
+
+    def without_expert_deltas(self):
+        """A context in which adapters on the routed experts keep only their other deltas."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.experts_off = True
+            try:
+                yield self
+            finally:
+                self.experts_off = False
+
+        return scope()
+
+    def merged_experts(self, adapter: str):
+        """A context in which ``adapter``'s expert deltas are added to the fused expert weights (restored after)."""
+        import contextlib
+
+        torch = self.torch
+        base = self.model.get_base_model()
+
+        @contextlib.contextmanager
+        def scope():
+            saved = {}
+            with torch.no_grad():
+                for (path, param, expert, rows), delta in self.expert_deltas[adapter].items():
+                    weight = getattr(base.get_submodule(path), param)
+                    saved.setdefault((path, param), weight.detach().clone())
+                    weight[expert, rows[0] : rows[1]] += delta.to(weight.device, weight.dtype)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for (path, param), weight in saved.items():
+                        getattr(base.get_submodule(path), param).copy_(weight)
+
+        return scope()
 
     def dropping(self, suffixes: tuple[str, ...]):
         """A context in which the LoRA deltas of the modules named ``*suffixes`` (every adapter) are off, by
@@ -143,15 +190,62 @@ class Reference:
         """(len(ids), vocab) log-softmax rows: row i is the distribution of token i + 1."""
         import contextlib
 
-        key = (tuple(ids), adapter, self.dropped)
+        key = (tuple(ids), adapter, self.dropped, self.experts_off)
         if key not in self.cache:
             torch = self.torch
             if adapter is not None:
                 self.model.set_adapter(adapter)
-            with torch.no_grad(), self.model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            merged = adapter in self.expert_deltas and not self.experts_off
+            with (
+                torch.no_grad(),
+                self.model.disable_adapter() if adapter is None else contextlib.nullcontext(),
+                self.merged_experts(adapter) if merged else contextlib.nullcontext(),
+            ):
                 logits = self.model(input_ids=torch.tensor([ids]).cuda()).logits[0]
             self.cache[key] = logits.float().log_softmax(-1).cpu()
         return self.cache[key]
+
+
+def expert_lora(folder: Path) -> dict:
+    """A PEFT adapter's routed-expert deltas as transformers' fused experts hold them: {(experts module path, param,
+    expert, (first row, end row)): (alpha / r) B @ A} (gate rows [0, I) and up rows [I, 2I) of ``gate_up_proj``
+    (E, 2I, H), all of ``down_proj`` (E, H, I)); {} for an adapter without expert keys."""
+    import json
+    import re
+
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    pattern = re.compile(r"base_model\.model\.(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.lora_A\.weight$")
+    out = {}
+    for key, a in state.items():
+        match = pattern.match(key)
+        if not match:
+            continue
+        path, expert, which = match.group(1), int(match.group(2)), match.group(3)
+        delta = scale * (state[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())  # (out, in)
+        rows = delta.shape[0]
+        first = rows if which == "up" else 0  # up follows gate in gate_up_proj
+        out[(path, "down_proj" if which == "down" else "gate_up_proj", expert, (first, first + rows))] = delta
+    return out
+
+
+def without_experts(folder: Path) -> Path:
+    """A copy of a PEFT adapter folder without its routed-expert keys (beside it, ``<name>-no-experts``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest = folder.parent / f"{folder.name}-no-experts"
+    if not dest.exists():
+        dest.mkdir()
+        shutil.copy(folder / "adapter_config.json", dest / "adapter_config.json")
+        state = load_file(str(folder / "adapter_model.safetensors"))
+        kept = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+        save_file(kept, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dest
 
 
 def token_id(token: str) -> int:

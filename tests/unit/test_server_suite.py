@@ -148,3 +148,36 @@ def test_server_that_dies_reports_the_engine_core_error(fake_aphrodite):
     assert not server.wait_ready(60)
     assert server.root_error() == "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
     server.stop()
+
+
+def test_expert_adapter_deltas_land_on_transformers_fused_expert_weights(tmp_path):
+    """The MoE suite's reference for an adapter on the routed experts (harness.expert_lora): each expert's
+    (alpha / r) B A lands on the rows of transformers' fused ``gate_up_proj`` (gate, then up) and ``down_proj`` of
+    the dense twin, whose shapes it must match; the copy PEFT loads keeps every key but the experts'."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from harness import expert_lora, without_experts
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    spec = TinySpec.preset("tiny-moe")
+    write_tiny(tmp_path / "m", spec)
+    deltas = expert_lora(tmp_path / "m" / "lora-experts")
+    text = AutoConfig.from_pretrained(tmp_path / "m" / "dense").text_config
+    inter, hidden = text.moe_intermediate_size, text.hidden_size
+    layers = len(spec.layer_types)
+    assert len(deltas) == layers * spec.experts * 3 and expert_lora(tmp_path / "m" / "lora-a") == {}
+    for (path, param, expert, (first, end)), delta in deltas.items():
+        assert path.startswith("model.language_model.layers.") and path.endswith(".mlp.experts")
+        assert 0 <= expert < spec.experts
+        if param == "gate_up_proj":  # (E, 2I, H)
+            assert delta.shape == (inter, hidden) and (first, end) in ((0, inter), (inter, 2 * inter))
+        else:  # down_proj (E, H, I)
+            assert param == "down_proj" and delta.shape == (hidden, inter) and (first, end) == (0, hidden)
+    state = load_file(str(tmp_path / "m" / "lora-experts" / "adapter_model.safetensors"))
+    key = next(k for k in state if ".mlp.experts.1.up_proj.lora_A." in k)
+    path = key.removeprefix("base_model.model.").split(".1.up_proj")[0]
+    b = state[key.replace("lora_A", "lora_B")].float()
+    assert torch.allclose(deltas[(path, "gate_up_proj", 1, (inter, 2 * inter))], 2.0 * b @ state[key].float())
+    kept = load_file(str(without_experts(tmp_path / "m" / "lora-experts") / "adapter_model.safetensors"))
+    assert kept and set(kept) == {k for k in state if ".mlp.experts." not in k}
