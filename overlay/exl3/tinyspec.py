@@ -92,7 +92,7 @@ PRESETS: dict[str, dict] = {
         experts_per_tok=2,
         moe_intermediate=256,
         shared_intermediate=256,
-        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts"),
+        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts", "lora-experts-3d"),
     ),
     # the Qwen3.6-35B-A3B layer dimensions (hidden 2048; 16 / 2 heads of 256; GDN 16 key / 32 value heads of
     # 128; experts 512 wide, 8 active, a shared expert of 512) with 4 layers and 32 routed experts instead of
@@ -103,7 +103,7 @@ PRESETS: dict[str, dict] = {
         vocab=32768,
         max_position=32768,
         experts=32,
-        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts"),
+        adapters=("lora-a", "lora-b", "lora-ab", "lora-experts", "lora-experts-3d"),
     ),
     "qwen3.6-27b": dict(
         hidden=5120,
@@ -174,9 +174,10 @@ class TinySpec:
         intermediate 17408, 24 heads / 4 KV heads of 256, GDN 16 key / 48 value heads of 128) with
         4 layers, a 32768-token vocabulary and 32768 positions, for benchmarks at realistic width.
         ``tiny-moe``: the tiny shape with a MoE MLP (4 routed experts, 2 active, and a shared expert),
-        and a third adapter, ``lora-experts``, that also targets the routed experts. ``qwen3.6-35b-a3b``:
+        and adapters that also target the routed experts: ``lora-experts`` (keys per expert) and
+        ``lora-experts-3d`` (PEFT's ``target_parameters`` form on fused experts). ``qwen3.6-35b-a3b``:
         the Qwen3.6-35B-A3B layer dimensions with 4 layers and 32 of its 256 experts (8 active), the
-        same three adapters."""
+        same adapters."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})

@@ -190,15 +190,43 @@ def stored_tensor_info(state: dict, prefix: str) -> dict:
 GATE_B_STD = 0.5
 
 
+FUSED_EXPERTS_ADAPTER = "lora-experts-3d"
+# lora_B's scale on the routed experts: at 0.05 (the other projections') an expert adapter's expert deltas alone move
+# the tiny MoE's answers by 0.41, under the 3 x 0.15 the MoE server cells require to tell them applied
+EXPERT_B_STD = 0.15
+# PEFT's target_parameters on transformers' fused experts, in this order: PEFT nests one ParamWrapper per parameter,
+# the first innermost, so gate_up_proj's factors are saved under ``experts.base_layer`` and down_proj's under
+# ``experts`` (PEFT 0.21.2's get_peft_model_state_dict on make-tiny's tiny-moe dense twin, 2026-12-06)
+FUSED_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def fused_expert_lora(spec: TinySpec, torch, gen) -> dict:
+    """Every MoE layer's routed experts in PEFT's ``target_parameters`` layout (``ParamWrapper`` on a 3D parameter):
+    ``lora_A`` (experts x rank, in) with expert e's rows at [e r, (e + 1) r), ``lora_B`` (out, rank x experts) with
+    rank row i of expert e at column i x experts + e (PEFT's get_delta_weight: A.reshape(E, r, in),
+    B.reshape(out, r, E)). gate_up_proj's out is 2 x the expert width, gate first."""
+    e, r, h, i = spec.experts, spec.lora_rank, spec.hidden, spec.moe_intermediate
+    out = {}
+    for n in range(len(spec.layer_types)):
+        key = f"base_model.model.model.language_model.layers.{n}.mlp.experts"
+        for sub, fin, fout in ((".base_layer", h, 2 * i), ("", i, h)):
+            out[f"{key}{sub}.lora_A.weight"] = (torch.randn(e * r, fin, generator=gen) / fin**0.5).to(torch.float16)
+            out[f"{key}{sub}.lora_B.weight"] = (torch.randn(fout, r * e, generator=gen) * EXPERT_B_STD).to(
+                torch.float16
+            )
+    return out
+
+
 def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[str]:
     """A PEFT LoRA adapter over the EXL3 projections named in ``spec.lora_targets`` (``ADAPTER_TARGETS`` names
     the adapters that target more: ``lora-ab`` also the GDN ``in_proj_a``/``in_proj_b``). In a MoE model the
-    routed experts are left out, except by the adapter named ``lora-experts`` (keys per expert, the
-    form aphrodite's LoRA loader reads expert adapters in; transformers' fused experts have no such
-    modules, so it has no HF + PEFT reference: it exists to be refused or served by aphrodite)."""
+    routed experts are left out, except by the adapter named ``lora-experts`` (keys per expert: transformers'
+    fused experts have no such modules, so its HF reference merges the deltas into the fused weights) and by
+    ``lora-experts-3d`` (PEFT's ``target_parameters`` form on the fused experts, ``fused_expert_lora``)."""
     dest.mkdir()
     state = {}
     with_experts = dest.name == "lora-experts"
+    fused_experts = dest.name == FUSED_EXPERTS_ADAPTER
     targets = ADAPTER_TARGETS.get(dest.name, spec.lora_targets)
     gates = [(f"linear_attn.{t}", spec.hidden, spec.gdn_value_heads) for t in GDN_GATE_TARGETS if t in targets]
     for n, kind in enumerate(spec.layer_types):
@@ -210,7 +238,10 @@ def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[st
                 torch.float16
             )
             scale = GATE_B_STD if suffix.split(".")[-1] in GDN_GATE_TARGETS else 0.05
+            scale = EXPERT_B_STD if ".experts." in suffix else scale
             state[key + ".lora_B.weight"] = (torch.randn(fout, spec.lora_rank, generator=gen) * scale).to(torch.float16)
+    if fused_experts:
+        state.update(fused_expert_lora(spec, torch, gen))
     save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
     (dest / "adapter_config.json").write_text(
         json.dumps(
@@ -223,6 +254,7 @@ def _write_adapter(dest: Path, spec: TinySpec, torch, save_file, gen) -> list[st
                 "bias": "none",
                 "fan_in_fan_out": False,
                 "target_modules": list(targets),
+                **({"target_parameters": list(FUSED_EXPERT_PARAMETERS)} if fused_experts else {}),
                 "base_model_name_or_path": None,
                 "inference_mode": True,
                 "init_lora_weights": True,

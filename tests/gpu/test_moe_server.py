@@ -11,8 +11,9 @@ Cells: LoRA off; LoRA on with the two adapters on attention, GDN and shared-expe
 both in the default compiled mode and in eager mode (run 11's compiled MoE servers never finished
 starting: docs/upstream/exl3-moe-compiled-graph-capture.md); ``lora-experts`` (which also targets the
 routed experts) given at start-up, which must be refused with the modules named, and served where P13 is opted
-in (``*-lora-experts-p13``: against HF's fused experts with the adapter's expert deltas merged, and far from the
-same reference without them); and the failure
+in (``*-lora-experts3d-p13``: PEFT's target_parameters form against HF + PEFT, and far from the same reference
+without its expert deltas; the per-expert form refused, or on 0.24+ with ``--enable-mixed-moe-lora-format`` served
+against HF with its deltas merged into the fused experts); and the failure
 sequence without the overlay, one cell per step (every patch off; P2 and P5 off; P5 off), each
 recording the engine's own error. ``moe35-*`` cells serve the same kind of model at the Qwen3.6-35B-A3B
 layer dimensions (make-tiny ``qwen3.6-35b-a3b``: 4 layers, 32 of its 256 experts, 8 active), against HF +
@@ -49,7 +50,8 @@ SERVED = "tiny-moe"
 ADAPTERS = ("lora-a", "lora-b")
 REFUSED = "targets the routed experts of EXL3 MoE layers"
 P13_ON = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"  # hybrid_exl3_fixes.exl3.moe_lora.ENABLE_ENV
-EXPERTS_OFF = "lora-experts without its expert deltas"
+EXPERTS_3D = ("lora-a", "lora-experts-3d")
+EXPERTS_OFF = "expert adapter without its expert deltas"
 # A random MoE at the 35B-A3B width is sensitive to the activation dtype itself: HF in bfloat16 is 0.87 from HF in
 # float32 over a cell's 19 prompts (make-tiny qwen3.6-35b-a3b, CPU, 2026-12-01; tiny-moe: 0.029), against the
 # served model's 0.21 alone and 0.33 mixed in run 13, because 8 of 32 experts are chosen per token and near-ties
@@ -84,11 +86,33 @@ CELLS = {
         "serve",
     ),
     "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
-    # P13 opted in (0.21+): the same adapter served, its expert deltas against HF's fused experts with them merged,
-    # alone and mixed with the base and lora-a in one batch (issue 35; docs/drafts/p13-moe-expert-lora.md)
-    "moe-eager-bf16-lora-experts-p13": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {P13_ON: "1"}, "serve"),
-    "moe-compiled-bf16-lora-experts-p13": (True, ("lora-a", "lora-experts"), [], {P13_ON: "1"}, "serve"),
-    "moe35-compiled-bf16-lora-experts-p13": (True, ("lora-a", "lora-experts"), [], {P13_ON: "1"}, "serve"),
+    # P13 opted in (0.21+, issue 35; docs/drafts/p13-moe-expert-lora.md): an adapter in PEFT's target_parameters form
+    # on the fused experts served against HF + PEFT, alone and mixed with the base and lora-a in one batch
+    "moe-eager-bf16-lora-experts3d-p13": (True, EXPERTS_3D, ["--enforce-eager"], {P13_ON: "1"}, "serve"),
+    "moe-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
+    "moe35-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
+    # the per-expert form: Qwen3.5/3.6 MoE models take the fused form (is_3d_moe_weight), so P5 refuses it naming
+    # the flag that takes it on 0.24+, where it is then served (against HF with its deltas merged into the experts)
+    "moe-eager-bf16-lora-experts-p13": (
+        True,
+        ("lora-a", "lora-experts"),
+        ["--enforce-eager"],
+        {P13_ON: "1"},
+        ("per-expert form",),
+    ),
+    **(
+        {
+            "moe-eager-bf16-lora-experts-mixed-p13": (
+                True,
+                ("lora-a", "lora-experts"),
+                ["--enforce-eager", "--enable-mixed-moe-lora-format"],
+                {P13_ON: "1"},
+                "serve",
+            )
+        }
+        if aphrodite_minor() >= (0, 24)
+        else {}
+    ),
     # P6 off: the EXL3 shared expert on the auxiliary stream beside the routed experts (<= 256 tokens). Runs 12 and
     # 14: the first completion never answered (run 14: 528 s, the server healthy, P6-on servers beside it right);
     # run 13: a 4-token completion answered at once. So the stall is intermittent: "stall" records it as an
@@ -212,7 +236,7 @@ def references(moe_models):
 
     def reference(name: str) -> Reference:
         if name not in built:
-            built[name] = Reference(moe_models(name), (*ADAPTERS, "lora-experts"))
+            built[name] = Reference(moe_models(name), (*ADAPTERS, "lora-experts", "lora-experts-3d"))
         return built[name]
 
     return reference
@@ -296,11 +320,16 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
     assert info["max_abs_dlogprob"] < info["tolerance"], info
     if lora:
         assert info["lora-a vs base reference"] > 3 * info["tolerance"], "the adapter made no difference"
-    if "lora-experts" in adapters:  # its expert deltas applied, not dropped: far from a reference without them
+    expert_adapter = next((a for a in adapters if a.startswith("lora-experts")), None)
+    if expert_adapter:  # its expert deltas applied, not dropped: far from a reference without them
         reference = references(checkpoint_of(cell))
-        served = complete(server, "lora-experts", prompts(1, 1)[0])
-        with reference.without_expert_deltas():
-            info[EXPERTS_OFF] = round(check(reference, "lora-experts", served)["max_abs_dlogprob"], 4)
+        served = complete(server, expert_adapter, prompts(1, 1)[0])
+        if expert_adapter == "lora-experts-3d":  # PEFT's ParamWrappers on the fused experts
+            off = reference.dropping(("mlp.experts", "mlp.experts.base_layer"))
+        else:
+            off = reference.without_expert_deltas()
+        with off:
+            info[EXPERTS_OFF] = round(check(reference, expert_adapter, served)["max_abs_dlogprob"], 4)
         record(f"moe {cell}", **info)
         assert info[EXPERTS_OFF] > 3 * info["tolerance"], info
     if cell != MAIN:

@@ -150,3 +150,54 @@ def test_an_unreadable_adapter_file_is_left_to_aphrodites_loader(tmp_path):
 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     assert adapter_file_modules(tmp_path) == []
+
+
+def wrapped_exl3_moe_model():
+    """The model as the LoRA manager leaves it when P13 gave every EXL3 MoE layer a LoRA kernel: each layer is its
+    wrapper's ``base_layer``."""
+    from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import stand_in_exl3_moe_layer
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+    for block in model.layers:
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = torch.nn.Module()
+        block.mlp.experts.base_layer = stand_in_exl3_moe_layer()
+    return model
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_with_the_layers_wrapped_the_fused_form_passes_and_the_per_expert_one_needs_the_flag(overlay, moe_ckpt, mixed):
+    """Once P13's kernels let the wrapper take every EXL3 MoE layer, expert adapters are no longer refused as such;
+    on a model whose MoE LoRA wrappers take the fused form (Qwen3.5/3.6: is_3d_moe_weight), an adapter in the
+    per-expert form is refused naming the form and the flag that takes it, unless that flag is on."""
+    from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import PATCH
+
+    assert overlay.REGISTRY.apply(PATCH).status.value == "APPLIED"
+
+    def manager():
+        m = lora_manager(wrapped_exl3_moe_model())
+        m._adapter_manager._is_3d_moe_model = True
+        m._adapter_manager.lora_config = SimpleNamespace(enable_mixed_moe_lora_format=mixed)
+        return m
+
+    with pytest.raises(AttributeError, match="supported_lora_modules"):  # aphrodite's own loader, past P5
+        manager()._load_adapter(request("lora-experts-3d", moe_ckpt / "lora-experts-3d"))
+    if mixed:
+        with pytest.raises(AttributeError, match="supported_lora_modules"):
+            manager()._load_adapter(request("lora-experts", moe_ckpt / "lora-experts"))
+        return
+    with pytest.raises(ValueError) as err:
+        manager()._load_adapter(request("lora-experts", moe_ckpt / "lora-experts"))
+    message = str(err.value)
+    assert "per-expert form" in message and "--enable-mixed-moe-lora-format" in message
+    assert "mlp.experts.0.down_proj" in message and "nothing was loaded" in message
+
+
+def test_an_unwrapped_model_refuses_the_fused_form_too(overlay, moe_ckpt):
+    from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import PATCH
+
+    assert overlay.REGISTRY.apply(PATCH).status.value == "APPLIED"
+    with pytest.raises(ValueError, match="targets the routed experts of EXL3 MoE layers") as err:
+        lora_manager(exl3_moe_model())._load_adapter(request("lora-experts-3d", moe_ckpt / "lora-experts-3d"))
+    assert "model.language_model.layers.0.mlp.experts.base_layer" in str(err.value)

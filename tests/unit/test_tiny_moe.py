@@ -275,3 +275,44 @@ def test_doctor_runs_the_moe_lora_check_with_the_live_overlay(moe):
     assert {f.check: f.level for f in report.findings}["moe-graphs"] == ("OK" if HAS_APHRODITE else "WARN")
     assert {f.check: f.level for f in report.findings}["moe-stream"] == ("OK" if HAS_APHRODITE else "WARN")
     assert {f.check: f.level for f in report.findings}["moe-padding"] == ("OK" if HAS_APHRODITE else "WARN")
+
+
+def test_the_fused_expert_adapter_is_peft_s_target_parameters_form(moe):
+    """lora-experts-3d: PEFT loads it on the dense twin's fused experts (a ParamWrapper on gate_up_proj, nested in
+    one on down_proj), and PEFT's own per-expert delta is what aphrodite's manager makes of the saved factors
+    (lora/model_manager.py _stack_moe_lora_weights: A.reshape(E, r, in), B.reshape(out, r, E) -> (E, out, r))."""
+    peft = pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
+    from transformers import AutoModelForImageTextToText
+
+    dest, _ = moe
+    spec = TinySpec.preset("tiny-moe")
+    base = AutoModelForImageTextToText.from_pretrained(str(dest / "dense"), dtype=torch.float32)
+    experts = base.model.language_model.layers[0].mlp.experts
+    shapes = {p: getattr(experts, p).shape for p in ("gate_up_proj", "down_proj")}  # before PEFT wraps them
+    model = peft.PeftModel.from_pretrained(base, str(dest / "lora-experts-3d"))
+    wrappers = {n: m for n, m in model.named_modules() if n.endswith(("mlp.experts", "mlp.experts.base_layer"))}
+    assert len(wrappers) == 2 * len(spec.layer_types) and all(hasattr(m, "lora_A") for m in wrappers.values())
+    saved = load_file(str(dest / "lora-experts-3d" / "adapter_model.safetensors"))
+    e, r, scale = spec.experts, spec.lora_rank, 2.0
+    for sub, param in ((".base_layer", "gate_up_proj"), ("", "down_proj")):
+        key = f"base_model.model.model.language_model.layers.0.mlp.experts{sub}"
+        a, b = saved[f"{key}.lora_A.weight"].float(), saved[f"{key}.lora_B.weight"].float()
+        per_expert = scale * torch.bmm(b.reshape(b.shape[0], -1, e).permute(2, 0, 1), a.reshape(e, -1, a.shape[-1]))
+        name = next(n for n in wrappers if n.endswith(f"layers.0.mlp.experts{sub}"))
+        peft_delta = wrappers[name].get_delta_weight("default").float()
+        assert per_expert.shape == peft_delta.shape == shapes[param] and a.shape[0] == e * r
+        assert torch.allclose(per_expert, peft_delta, atol=1e-5)
+    keys = [k for k in saved if ".mlp.experts." in k]
+    assert keys and not any(k.split(".mlp.experts.")[1][0].isdigit() for k in keys)  # no per-expert keys
+
+
+@pytest.mark.parametrize("adapter", ["lora-experts-3d"])
+def test_the_expert_deltas_move_the_answers_past_the_server_cells_check(moe, adapter):
+    """The MoE cells assert that a served expert adapter is far (3 x tolerance) from the reference without its
+    expert deltas; on this checkpoint those deltas alone must move the answers that far, or the check proves
+    nothing."""
+    from test_tiny import SERVER_TOLERANCE, lora_off, served_distance
+
+    dest, _ = moe
+    off = served_distance(dest, adapter, 3, lambda m: lora_off(m, ("mlp.experts", "mlp.experts.base_layer")))
+    assert off > 3 * SERVER_TOLERANCE, off

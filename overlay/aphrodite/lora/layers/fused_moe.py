@@ -21,7 +21,10 @@ How:     ``FusedMoEWithLoRA.can_replace_layer`` and ``FusedMoE3DWithLoRA.can_rep
          an error response to ``/v1/load_lora_adapter`` (or a start-up error for
          ``--lora-modules``) while the engine keeps running. A layer whose quant method offers a
          LoRA-capable ``moe_kernel`` (P13's, opted in) is left to the wrapper, and adapters are
-         refused only while some EXL3 MoE layer stays unwrapped.
+         refused only while some EXL3 MoE layer stays unwrapped. With every layer wrapped, a model whose
+         MoE LoRA wrappers take the fused form (``_is_3d_moe_model``: Qwen3.5/3.6) refuses an adapter in
+         PEFT's per-expert form, naming the fused form and ``--enable-mixed-moe-lora-format`` (0.24+),
+         before aphrodite's own module check would refuse it less clearly.
 Probe:   the live ``can_replace_layer`` accepts a stand-in EXL3 MoE layer (an uninitialised
          FusedMoE/MoERunner instance with the ``w13_*``/``w2_*`` placeholders, on the layer or on
          its ``routed_experts``) and ``Exl3MoEMethod`` offers ``FusedMoEWithLoRA`` no kernel: it
@@ -52,7 +55,7 @@ LOAD = Target("aphrodite.lora.worker_manager", "WorkerLoRAManager._load_adapter"
 PACKED = {WRAPPER_2D.key: ["w1", "w3"], WRAPPER_3D.key: ["w13"]}
 # ``self.moe_kernel = ...`` (or any ``<x>.moe_kernel = ...``): how a quant method hands FusedMoEWithLoRA its kernel
 ASSIGNS_KERNEL = re.compile(r"\.moe_kernel\s*=(?!=)")
-MANAGER_FLAG = "_hybrid_exl3_fixes_exl3_moe"  # cached on the adapter manager: does the model have EXL3 MoE?
+MANAGER_FLAG = "_hybrid_exl3_fixes_exl3_moe"  # cached on the adapter manager: its EXL3 MoE layers, unwrapped/wrapped
 
 
 def moe_layer_class() -> type:
@@ -114,14 +117,14 @@ def has_lora_kernel(layer: Any) -> bool:
         return False
 
 
-def exl3_moe_names(model: Any) -> list[str]:
-    """The model's MoE modules whose experts are EXL3 and that no LoRA wrapper took (FusedMoE or MoERunner; a
-    wrapped one is the wrapper's ``base_layer``)."""
+def exl3_moe_names(model: Any, wrapped: bool = False) -> list[str]:
+    """The model's MoE modules whose experts are EXL3 (FusedMoE or MoERunner) that no LoRA wrapper took, or with
+    ``wrapped`` those a wrapper took (each is then its wrapper's ``base_layer``)."""
     cls = moe_layer_class()
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, cls) and exl3_placeholder(module) is not None and not name.endswith("base_layer")
+        if isinstance(module, cls) and exl3_placeholder(module) is not None and name.endswith("base_layer") == wrapped
     ]
 
 
@@ -129,6 +132,22 @@ def expert_modules(names) -> list[str]:
     """The adapter modules that address routed experts: a path component ``experts`` (per-expert keys
     ``...mlp.experts.3.gate_proj`` or the fused ``...mlp.experts``; ``shared_expert`` is not one)."""
     return sorted({n for n in names if "experts" in n.split(".")})
+
+
+def per_expert_modules(names) -> list[str]:
+    """The adapter modules in PEFT's per-expert form (``...mlp.experts.3.gate_proj``), not the fused one."""
+    return sorted({n for n in names if re.search(r"(^|\.)experts\.\d+(\.|$)", n)})
+
+
+def form_refusal(lora_request: Any, modules: list[str]) -> str:
+    shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} modules)" if len(modules) > 3 else "")
+    return (
+        f"LoRA adapter {getattr(lora_request, 'lora_name', '?')!r} ({getattr(lora_request, 'lora_path', '?')}) "
+        f"holds the routed experts in PEFT's per-expert form: {shown}. This model's MoE LoRA wrappers take the fused "
+        "form that PEFT writes for transformers' fused experts (target_parameters=['mlp.experts.gate_up_proj', "
+        "'mlp.experts.down_proj']); aphrodite 0.24+ also takes per-expert keys with --enable-mixed-moe-lora-format. "
+        "The adapter is refused, nothing was loaded. [hybrid-exl3-fixes P5]"
+    )
 
 
 def adapter_file_modules(lora_path: str) -> list[str]:
@@ -178,14 +197,20 @@ def build(live: dict[str, Live]) -> dict[str, Any]:
 
     def _load_adapter(self, lora_request):
         manager = self._adapter_manager
-        layers = getattr(manager, MANAGER_FLAG, None)
-        if layers is None:
-            layers = len(exl3_moe_names(manager.model))
-            setattr(manager, MANAGER_FLAG, layers)
+        counts = getattr(manager, MANAGER_FLAG, None)
+        if counts is None:  # EXL3 MoE layers left unwrapped, and wrapped (P13's LoRA kernel)
+            counts = (len(exl3_moe_names(manager.model)), len(exl3_moe_names(manager.model, wrapped=True)))
+            setattr(manager, MANAGER_FLAG, counts)
+        layers, wrapped = counts
         # a local safetensors adapter is judged by its header, before anything is read; any other
         # (a hub id, .bin, tensorizer) by what aphrodite's own loader made of it
-        if layers and (modules := expert_modules(adapter_file_modules(lora_request.lora_path))):
+        names = adapter_file_modules(lora_request.lora_path)
+        if layers and (modules := expert_modules(names)):
             raise ValueError(refusal(lora_request, modules, layers))
+        fused_only = not getattr(getattr(manager, "lora_config", None), "enable_mixed_moe_lora_format", False)
+        if wrapped and fused_only and getattr(manager, "_is_3d_moe_model", False):
+            if modules := per_expert_modules(names):
+                raise ValueError(form_refusal(lora_request, modules))
         lora = original_load(self, lora_request)
         if layers and (modules := expert_modules(getattr(lora, "loras", {}))):
             raise ValueError(refusal(lora_request, modules, layers))
