@@ -212,7 +212,10 @@ def build_experts_class() -> type:
                 return
             layer, (m, k), hidden = self.layer, topk_ids.shape, hidden_states.shape[-1]
             inter = w1.shape[1] // 2
-            ids = topk_ids.to(torch.long).clamp(min=0)  # 0.23+ padding rows (-1): expert 0, output discarded
+            # 0.23+ padding rows (-1) to expert 0, their output discarded; the EXL3 kernels index with int64, the
+            # LoRA alignment takes the router's own dtype (int32 under FusedMoEModularMethod)
+            lora_ids = topk_ids.clamp(min=0)
+            ids = lora_ids.to(torch.long)
             x16 = hidden_states.to(torch.float16).contiguous()
             cache1 = workspace13.view(-1)[: m * k * 2 * inter].view(m, k, 2 * inter)
             cache2 = workspace2.view(-1)[: m * k * inter].view(m * k, inter)
@@ -222,7 +225,7 @@ def build_experts_class() -> type:
             else:
                 per_expert(type(self.method), layer, x16, ids, topk_weights, cache1, None, None)
             meta = self.apply_w13_lora(
-                ctx, y=cache1, x=hidden_states, topk_ids=ids, topk_weights=topk_weights, expert_map=None, w1=w1,
+                ctx, y=cache1, x=hidden_states, topk_ids=lora_ids, topk_weights=topk_weights, expert_map=None, w1=w1,
                 w2=w2, num_tokens=m, top_k_num=k,
             )  # fmt: skip
             self.activation(activation, cache2, cache1.view(-1, 2 * inter))  # SiLU(gate) x up, gate first
