@@ -97,6 +97,8 @@ def repeat_ratios(run: dict, name: str, ref: str, n: int) -> list[float]:
 PAIRS = (
     ("-lora", "adapter", "the adapter's speed as a share of its base"),
     ("-lora-tuned", "adapter", "the adapter with tuned LoRA kernel configs as a share of its base"),
+    ("-lora-experts", "adapter", "an adapter on the routed experts (P13) as a share of its base"),
+    ("-experts", "adapter", "the routed experts adapted (P13) over the same adapter's other projections alone"),
     ("-tuned", "adapter", "tuned LoRA kernel configs over the default ones: above 1, the tuned are faster"),
     ("-nop8", "p8", "P8 on over P8 off (HYBRID_EXL3_FIXES_DISABLE=P8): above 1, P8 is faster"),
     ("-p12", "adapter", "P12 opted in over the same release without it: above 1, P12 is faster"),
@@ -105,8 +107,8 @@ PAIRS = (
 
 
 def pairs(run: dict) -> list[tuple[str, str, str]]:
-    """(numerator, denominator, what) variant pairs: NAME-lora and NAME-lora-tuned over NAME, NAME-lora-tuned over
-    NAME-lora, NAME-p12 and NAME-keep over NAME, NAME over NAME-nop8."""
+    """(numerator, denominator, what) variant pairs: NAME-lora, NAME-lora-tuned and NAME-lora-experts over NAME,
+    NAME-lora-tuned and NAME-lora-experts over NAME-lora, NAME-p12 and NAME-keep over NAME, NAME over NAME-nop8."""
     out = []
     for n in run["variants"]:
         for suffix, kind, what in PAIRS:

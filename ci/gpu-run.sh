@@ -36,7 +36,9 @@
 #                          and compile), levels alternated:
 #                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
 #                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-p12,0.24-keep,0.21,0.21-lora,0.21-nop8,exllamav3;
+#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-lora-experts,0.24-p12,0.24-keep,0.21,0.21-lora,
+#                          0.21-lora-experts,0.21-nop8,exllamav3; NAME-lora-experts: a MoE preset's lora-experts-3d
+#                          served through P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1);
 #                          NAME-nop8: P8 switched off, the before of its before/after; NAME-p12: P12 opted into
 #                          (HYBRID_EXL3_FIXES_MID_BATCH=1), the after of its before/after; NAME-keep: P12 with
 #                          float16 weights kept (HYBRID_EXL3_FIXES_EXL3_KEEP=HXF_CMP_KEEP, default all); -lora-tuned:
@@ -130,6 +132,9 @@ compare() {  # PRESET
       args+=(--variant "aphrodite-$rel-lora-tuned=$lcommon $lora"
         --variant-env "aphrodite-$rel-lora-tuned=$env APHRODITE_TUNED_CONFIG_FOLDER=$tuned")
     fi
+    has "$rel-lora-experts" && args+=(  # a MoE preset's expert adapter, served through P13 (opted in)
+      --variant "aphrodite-$rel-lora-experts=$lcommon --enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-experts-3d"
+      --variant-env "aphrodite-$rel-lora-experts=$env HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1")
     has "$rel-p12" && args+=(--variant "aphrodite-$rel-p12=$common"
       --variant-env "aphrodite-$rel-p12=$env HYBRID_EXL3_FIXES_MID_BATCH=1")
     has "$rel-keep" && args+=(--variant "aphrodite-$rel-keep=$common"

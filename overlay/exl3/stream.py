@@ -44,6 +44,7 @@ from .tinyspec import (
     mtp_projections,
 )
 from .tinystate import (
+    FUSED_EXPERTS_ADAPTER,
     Draw,
     _global_state,
     _layer_state,
@@ -181,17 +182,21 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     write_configs(folder, spec, cfg, storage)
-    # two adapters for the LoRA runs: lora-a over the attention and GDN projections; lora-mlp over those and the MLP
-    # (a MoE's shared expert; the routed experts are lora-experts' alone)
+    # adapters for the LoRA runs: lora-a over the attention and GDN projections; lora-mlp over those and the MLP
+    # (a MoE's shared expert); a MoE's lora-experts-3d over those and its routed experts
     adapter = dataclasses.replace(spec, lora_targets=ATTENTION_TARGETS)
     keys = _write_adapter(tmp / "lora-a", adapter, torch, save_file, torch.Generator().manual_seed(spec.seed + 1))
     mlp = dataclasses.replace(spec, lora_targets=LORA_TARGETS)
     mlp_keys = _write_adapter(tmp / "lora-mlp", mlp, torch, save_file, torch.Generator().manual_seed(spec.seed + 3))
+    adapters = {"lora-a": keys, "lora-mlp": mlp_keys}
+    if spec.experts:  # and lora-mlp's projections plus the routed experts, in PEFT's target_parameters form (P13)
+        gen = torch.Generator().manual_seed(spec.seed + 4)
+        adapters[FUSED_EXPERTS_ADAPTER] = _write_adapter(tmp / FUSED_EXPERTS_ADAPTER, mlp, torch, save_file, gen)
     manifest = {
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spec.__dict__.items()},
         **exl3_module_lists(storage),
         "weight_bytes": total,
-        "adapters": {"lora-a": keys, "lora-mlp": mlp_keys},
+        "adapters": adapters,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -171,3 +171,12 @@ def test_p12_and_the_tuned_adapter_pair_with_their_bases():
         ("a-0.24-lora-tuned", "a-0.24-lora"),
         ("a-0.24-p12", "a-0.24"),
     }
+
+
+def test_the_expert_adapter_pairs_with_its_base_and_with_the_adapter_without_experts():
+    run = {"variants": dict.fromkeys(["a-0.24", "a-0.24-lora", "a-0.24-lora-experts"], {})}
+    assert {(num, den) for num, den, _ in compare_report.pairs(run)} == {
+        ("a-0.24-lora", "a-0.24"),
+        ("a-0.24-lora-experts", "a-0.24"),
+        ("a-0.24-lora-experts", "a-0.24-lora"),
+    }

@@ -54,6 +54,11 @@ def test_a_moe_full_writer_adapts_the_shared_expert_not_the_routed_ones(tmp_path
     mlp = [k for k in manifest["adapters"]["lora-mlp"] if ".mlp." in k]
     assert mlp and all(".mlp.shared_expert." in k for k in mlp)
     assert not [k for k in manifest["adapters"]["lora-a"] if ".mlp." in k]
+    # P13's adapter: lora-mlp's keys and each layer's routed experts in PEFT's target_parameters form
+    experts = set(manifest["adapters"]["lora-experts-3d"]) - set(manifest["adapters"]["lora-mlp"])
+    assert len(experts) == 4 * 4 and all(k.split(".mlp.")[1].startswith("experts.") for k in experts)
+    config = json.loads((tmp_path / "m" / "lora-experts-3d" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def test_exl3_head_and_configs(full):
