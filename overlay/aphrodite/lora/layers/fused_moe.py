@@ -139,13 +139,22 @@ def per_expert_modules(names) -> list[str]:
     return sorted({n for n in names if re.search(r"(^|\.)experts\.\d+(\.|$)", n)})
 
 
-def form_refusal(lora_request: Any, modules: list[str]) -> str:
-    shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} modules)" if len(modules) > 3 else "")
+def named(lora_request: Any, modules: list[str], limit: int) -> tuple[str, str]:
+    """The adapter and its first ``limit`` modules, as P5's refusals name them."""
+    shown = ", ".join(modules[:limit]) + (f", ... ({len(modules)} modules)" if len(modules) > limit else "")
     return (
-        f"LoRA adapter {getattr(lora_request, 'lora_name', '?')!r} ({getattr(lora_request, 'lora_path', '?')}) "
-        f"holds the routed experts in PEFT's per-expert form: {shown}. This model's MoE LoRA wrappers take the fused "
-        "form that PEFT writes for transformers' fused experts (target_parameters=['mlp.experts.gate_up_proj', "
-        "'mlp.experts.down_proj']); aphrodite 0.24+ also takes per-expert keys with --enable-mixed-moe-lora-format. "
+        f"LoRA adapter {getattr(lora_request, 'lora_name', '?')!r} ({getattr(lora_request, 'lora_path', '?')})",
+        shown,
+    )
+
+
+def form_refusal(lora_request: Any, modules: list[str]) -> str:
+    adapter, shown = named(lora_request, modules, 3)
+    return (
+        f"{adapter} holds the routed experts in PEFT's per-expert form: {shown}. This model's MoE LoRA wrappers "
+        "take the fused form that PEFT writes for transformers' fused experts "
+        "(target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']); aphrodite 0.24+ also takes "
+        "per-expert keys with --enable-mixed-moe-lora-format. "
         "The adapter is refused, nothing was loaded. [hybrid-exl3-fixes P5]"
     )
 
@@ -169,11 +178,10 @@ def adapter_file_modules(lora_path: str) -> list[str]:
 
 
 def refusal(lora_request: Any, modules: list[str], layers: int) -> str:
-    shown = ", ".join(modules[:6]) + (f", ... ({len(modules)} modules)" if len(modules) > 6 else "")
+    adapter, shown = named(lora_request, modules, 6)
     return (
-        f"LoRA adapter {getattr(lora_request, 'lora_name', '?')!r} ({getattr(lora_request, 'lora_path', '?')}) "
-        f"targets the routed experts of EXL3 MoE layers ({layers} in this model): {shown}. Aphrodite's EXL3 MoE "
-        "method has no LoRA kernel, so these weights cannot be applied; the adapter is refused, nothing was "
+        f"{adapter} targets the routed experts of EXL3 MoE layers ({layers} in this model): {shown}. Aphrodite's "
+        "EXL3 MoE method has no LoRA kernel, so these weights cannot be applied; the adapter is refused, nothing was "
         "loaded. Adapters on the attention, GatedDeltaNet and shared-expert projections are served: train "
         "without the routed experts (leave mlp.experts out of PEFT's target_modules), or, on aphrodite 0.21+, "
         "opt into the overlay's P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1; not yet checked on a GPU). "

@@ -36,6 +36,16 @@ def after_loading(patch_id: str, original: Callable, step: Callable, failure: st
     return tag(patch_id, process_weights_after_loading, original)
 
 
+def builds_after_loading(patch_id: str, target, step: Callable, failure: str, name_attr: str) -> Callable:
+    """A patch's ``build``: ``target`` (a ``process_weights_after_loading``) replaced by ``after_loading`` around the
+    live function with ``step``."""
+
+    def build(live) -> dict:
+        return {target.key: after_loading(patch_id, live[target.key].function, step, failure, name_attr)}
+
+    return build
+
+
 def time_interleaved(fns: dict, torch, rounds: int, calls: int, warmup: int) -> dict:
     """Median µs per call of each of ``fns`` (key -> no-argument callable): ``warmup`` calls each, then ``rounds``
     rounds of ``calls`` calls between two CUDA events, the callables interleaved and their order reversed every

@@ -29,8 +29,6 @@ Retire when: an aphrodite release prepares the context before the idle-launch re
 
 from __future__ import annotations
 
-from typing import Any
-
 from hybrid_exl3_fixes.registry import (
     MARKER,
     Drift,
@@ -40,7 +38,7 @@ from hybrid_exl3_fixes.registry import (
     Target,
 )
 
-from .common import MODULE, after_loading, source_tree
+from .common import MODULE, builds_after_loading, source_tree
 from .p9_moe_padding import marks_padding_rows
 
 MOE_LOAD = Target(MODULE, "Exl3MoEMethod.process_weights_after_loading", params=("self", "layer"))
@@ -126,13 +124,14 @@ def warm_fused_kernel(method, layer) -> int:
     return rows
 
 
-def build_moe_context_warmup(live: dict[str, Live]) -> dict[str, Any]:
-    original = live[MOE_LOAD.key].function
-    failure = (
-        "hybrid-exl3-fixes: P10 could not launch the EXL3 MoE kernel for %s at load time; CUDA-graph capture may "
-        "stop at exl3_moe.cu (docs/upstream/exl3-moe-context-in-capture.md). --enforce-eager avoids it"
-    )
-    return {MOE_LOAD.key: after_loading("P10", original, warm_fused_kernel, failure, "layer_name")}
+build_moe_context_warmup = builds_after_loading(
+    "P10",
+    MOE_LOAD,
+    warm_fused_kernel,
+    "hybrid-exl3-fixes: P10 could not launch the EXL3 MoE kernel for %s at load time; CUDA-graph capture may stop at "
+    "exl3_moe.cu (docs/upstream/exl3-moe-context-in-capture.md). --enforce-eager avoids it",
+    "layer_name",
+)
 
 
 PATCH_P10 = Patch(

@@ -31,7 +31,7 @@ from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import exl3_moe_method_ha
 from hybrid_exl3_fixes.exl3 import moe_lora
 from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry
 
-from .common import after_loading
+from .common import builds_after_loading
 from .p10_moe_context import MOE_LOAD
 
 LORA_WRAPPER = "aphrodite.lora.layers.fused_moe"
@@ -70,13 +70,14 @@ def give_lora_kernel(method: Any, layer: Any) -> None:
         method.moe_kernel = moe_lora.make_kernel(method, layer)
 
 
-def build(live) -> dict[str, Any]:
-    original = live[MOE_LOAD.key].function
-    failure = (
-        "hybrid-exl3-fixes: P13 could not give the EXL3 MoE layer %s a LoRA kernel; adapters on its routed experts "
-        "are refused (P5)"
-    )
-    return {MOE_LOAD.key: after_loading("P13", original, give_lora_kernel, failure, "layer_name")}
+build = builds_after_loading(
+    "P13",
+    MOE_LOAD,
+    give_lora_kernel,
+    "hybrid-exl3-fixes: P13 could not give the EXL3 MoE layer %s a LoRA kernel; adapters on its routed experts are "
+    "refused (P5)",
+    "layer_name",
+)
 
 
 PATCH_P13 = Patch(
