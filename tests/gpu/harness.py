@@ -53,7 +53,7 @@ class Reference:
     """HF transformers + PEFT on the dense twin (float32, on the GPU): log-probabilities of any token
     sequence with no adapter or with any adapter make-tiny wrote (all loaded once, switched by name)."""
 
-    def __init__(self, tiny: Path, adapters: tuple[str, ...] = ("lora-a", "lora-b")):
+    def __init__(self, tiny: Path, adapters: tuple[str, ...] = ("lora-a", "lora-b"), device: str = "cuda"):
         import json
 
         import torch
@@ -62,7 +62,7 @@ class Reference:
 
         # Qwen3_5ForConditionalGeneration, or Qwen3_5MoeForConditionalGeneration for a MoE twin
         arch = json.loads((tiny / "dense" / "config.json").read_text())["architectures"][0]
-        base = getattr(transformers, arch).from_pretrained(tiny / "dense", dtype=torch.float32).cuda().eval()
+        base = getattr(transformers, arch).from_pretrained(tiny / "dense", dtype=torch.float32).to(device).eval()
         # an adapter on the routed experts (make-tiny's lora-experts: keys per expert) has no PEFT module to load
         # into on transformers' fused experts: PEFT takes its other keys, ``merged_experts`` adds the expert deltas
         # to the fused weights, exactly W + (alpha / r) B A per expert
@@ -75,7 +75,7 @@ class Reference:
         for name in adapters[1:]:
             model.load_adapter(folders[name], adapter_name=name)
         self.model, self.torch, self.cache = model.eval(), torch, {}
-        self.tiny, self.arch = tiny, arch
+        self.tiny, self.arch, self.device = tiny, arch, device
         self.dropped: tuple[str, ...] = ()  # module-name suffixes whose LoRA deltas ``dropping`` removed
         self.experts_off = False  # ``without_expert_deltas``: the reference of an engine that ignored them
 
@@ -105,7 +105,7 @@ class Reference:
             saved = {}
             with torch.no_grad():
                 for (path, param, expert, rows), delta in self.expert_deltas[adapter].items():
-                    weight = getattr(base.get_submodule(path), param)
+                    weight = getattr(fused_experts(base, path, param), param)
                     saved.setdefault((path, param), weight.detach().clone())
                     weight[expert, rows[0] : rows[1]] += delta.to(weight.device, weight.dtype)
             try:
@@ -113,7 +113,7 @@ class Reference:
             finally:
                 with torch.no_grad():
                     for (path, param), weight in saved.items():
-                        getattr(base.get_submodule(path), param).copy_(weight)
+                        getattr(fused_experts(base, path, param), param).copy_(weight)
 
         return scope()
 
@@ -180,7 +180,7 @@ class Reference:
         try:
             with torch.no_grad(), self.model.disable_adapter():
                 for ids in prompt_ids:
-                    self.model(input_ids=torch.tensor([ids]).cuda())
+                    self.model(input_ids=torch.tensor([ids], device=self.device))
         finally:
             for handle in handles:
                 handle.remove()
@@ -201,9 +201,18 @@ class Reference:
                 self.model.disable_adapter() if adapter is None else contextlib.nullcontext(),
                 self.merged_experts(adapter) if merged else contextlib.nullcontext(),
             ):
-                logits = self.model(input_ids=torch.tensor([ids]).cuda()).logits[0]
+                logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0]
             self.cache[key] = logits.float().log_softmax(-1).cpu()
         return self.cache[key]
+
+
+def fused_experts(base, path: str, param: str):
+    """transformers' experts module at ``path`` that holds ``param``, under any PEFT ParamWrappers an adapter in the
+    target_parameters form put around it (each keeps the wrapped module as ``base_layer``)."""
+    module = base.get_submodule(path)
+    while param not in module._parameters and hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
 
 
 def expert_lora(folder: Path) -> dict:

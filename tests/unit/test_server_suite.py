@@ -181,3 +181,67 @@ def test_expert_adapter_deltas_land_on_transformers_fused_expert_weights(tmp_pat
     assert torch.allclose(deltas[(path, "gate_up_proj", 1, (inter, 2 * inter))], 2.0 * b @ state[key].float())
     kept = load_file(str(without_experts(tmp_path / "m" / "lora-experts") / "adapter_model.safetensors"))
     assert kept and set(kept) == {k for k in state if ".mlp.experts." not in k}
+
+
+def as_fused_form(src, dest, experts: int) -> None:
+    """``src`` (make-tiny's lora-experts: keys per expert, rank r) rewritten in PEFT's target_parameters form at rank
+    2r, the same deltas: gate and up share the fused lora_A, so A' = [A_gate; A_up], B' = diag(B_gate, B_up); every
+    other module zero-padded to 2r; lora_alpha doubled with the rank, so the scale stays."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(src / "adapter_model.safetensors"))
+    config = json.loads((src / "adapter_config.json").read_text())
+    r = config["r"]
+    out, per_expert = {}, {}
+    for key, value in state.items():
+        match = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.lora_([AB])\.weight$", key)
+        if match:
+            per_expert[(match.group(1), int(match.group(2)), match.group(3), match.group(4))] = value.float()
+        elif ".lora_A." in key:
+            out[key] = torch.cat([value, torch.zeros_like(value)])
+        else:
+            out[key] = torch.cat([value, torch.zeros_like(value)], dim=1)
+    for path in sorted({k[0] for k in per_expert}):
+        a_gu, b_gu, a_d, b_d = [], [], [], []
+        for e in range(experts):
+            p = {(w, h): per_expert[(path, e, w, h)] for w in ("gate", "up", "down") for h in "AB"}
+            a_gu.append(torch.cat([p["gate", "A"], p["up", "A"]]))
+            b_gu.append(torch.block_diag(p["gate", "B"], p["up", "B"]))
+            a_d.append(torch.cat([p["down", "A"], torch.zeros_like(p["down", "A"])]))
+            b_d.append(torch.cat([p["down", "B"], torch.zeros_like(p["down", "B"])], dim=1))
+        for sub, a, b in ((".base_layer", a_gu, b_gu), ("", a_d, b_d)):
+            out[f"{path}{sub}.lora_A.weight"] = torch.cat(a).to(torch.float16)  # (E x 2r, in), expert-major
+            out[f"{path}{sub}.lora_B.weight"] = torch.stack(b, dim=-1).reshape(b[0].shape[0], -1).to(torch.float16)
+    dest.mkdir()
+    save_file(out, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config.update(r=2 * r, lora_alpha=2 * config["lora_alpha"])
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+
+
+def test_the_merged_expert_reference_is_what_peft_computes_for_the_same_deltas(tmp_path):
+    """The MoE cells' reference for the per-expert form (its deltas merged into transformers' fused experts,
+    harness.Reference.merged_experts) against PEFT's own ParamWrappers holding the same deltas in the fused form,
+    both on the tiny MoE's dense twin in float32 on the CPU; and the merge undone after each use."""
+    pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
+    from harness import Reference
+    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+
+    spec = TinySpec.preset("tiny-moe")
+    write_tiny(tmp_path / "m", spec)
+    as_fused_form(tmp_path / "m" / "lora-experts", tmp_path / "m" / "lora-experts-as-3d", spec.experts)
+    ref = Reference(tmp_path / "m", ("lora-a", "lora-experts", "lora-experts-as-3d"), device="cpu")
+    experts = ref.model.get_base_model().model.language_model.layers[0].mlp.experts
+    while "gate_up_proj" not in experts._parameters:
+        experts = experts.base_layer
+    before = experts.gate_up_proj.detach().clone()
+    ids = [5, 17, 42, 7, 99, 3, 250, 11]
+    merged, peft_form = ref.logprobs(ids, "lora-experts"), ref.logprobs(ids, "lora-experts-as-3d")
+    assert torch.equal(experts.gate_up_proj, before)  # restored
+    assert (merged - peft_form).abs().max().item() < 1e-3
+    with ref.without_expert_deltas():
+        off = ref.logprobs(ids, "lora-experts")
+    assert (merged - off).abs().max().item() > 0.1  # the expert deltas matter here
