@@ -124,6 +124,41 @@ def figures(text: str) -> dict:
     return found
 
 
+def engine_from_command(command: list[str], total_gib: float, release: str):
+    """The ``memplan.Engine`` a calibration start planned for: its flags as ``aphrodite run`` read them (the last of a
+    repeated flag wins), on a GPU of ``total_gib`` (the engine's own logged total; an emulated card is its
+    ``--gpu-memory-utilization`` share of it)."""
+    import json
+
+    from hybrid_exl3_fixes import memplan
+
+    def value(flag: str, cast=str, default=None):
+        found = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
+        return cast(found[-1]) if found else default
+
+    prefix = (
+        True if "--enable-prefix-caching" in command else False if "--no-enable-prefix-caching" in command else None
+    )
+    limits = json.loads(value("--limit-mm-per-prompt", default="{}"))
+    return memplan.Engine(
+        total_gib,
+        tp=value("--tensor-parallel-size", int, 1),
+        utilization=value("--gpu-memory-utilization", float, 0.92),
+        max_model_len=value("--max-model-len", int, 4096),
+        max_num_seqs=value("--max-num-seqs", int),
+        max_num_batched_tokens=value("--max-num-batched-tokens", int),
+        kv_dtype=value("--kv-cache-dtype", default="auto"),
+        eager="--enforce-eager" in command,
+        lora="--enable-lora" in command,
+        max_loras=value("--max-loras", int, 1),
+        max_lora_rank=value("--max-lora-rank", int, 16),
+        language_model_only="--language-model-only" in command or (bool(limits) and not any(limits.values())),
+        image_limit=limits.get("image", memplan.memvision.DEFAULT_IMAGE_LIMIT),
+        prefix_caching=prefix,
+        release=release,
+    )
+
+
 def save_inputs(models: Path, out: Path, folder: str) -> None:
     """What doctor reads of the folder (config.json, quantization_config.json, the header table)."""
     from hybrid_exl3_fixes.doctor import Report, read_weights

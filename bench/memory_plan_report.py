@@ -283,6 +283,26 @@ def rows() -> list[dict]:
     return out
 
 
+def cal_rows(cal: Path, release: str, names=None) -> list[dict]:
+    """The profiled rows of one calibration run (bench/memory_calibration.py's ``<name>.json`` and ``.log`` in
+    ``cal``, with the ``inputs-*.json`` it saved), each planned for the flags its command gave, on ``release``;
+    ``names``: only these configurations."""
+    from memory_calibration import engine_from_command
+
+    out = []
+    for result_file in sorted(cal.glob("*.json")):
+        if result_file.name.startswith("inputs-") or (names and result_file.stem not in names):
+            continue
+        result = json.loads(result_file.read_text())
+        if "max_concurrency" not in result["logged"]:
+            continue  # the engine did not get as far as its pool
+        inputs = cal / f"inputs-{result['model'].replace('/', '-')}.json"
+        engine = engine_from_command(result["command"], result["logged"]["total_gib"], release)
+        label = f"{result['name']} ({release}, aphrodite run{', held out' if result.get('held_out') else ''})"
+        out.append(pool_row(label, cal / f"{result['name']}.log", inputs, engine))
+    return out
+
+
 def layout_row(name: str, source: str, config: dict, engine, text: str, pool: int) -> dict:
     """A pinned-pool row: the engine's KV layout and capacity for ``pool`` bytes against its start-up log."""
     return dict(kind="layout", name=name, source=source, config=config, tensors={}, engine=engine, text=text, pool=pool)

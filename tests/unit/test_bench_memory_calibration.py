@@ -44,3 +44,45 @@ def test_start_up_figures_of_both_measurement_styles():
     got = cal.figures(new)
     assert (got["init_free_gib"], got["total_consumed_gib"], got["non_kv_gib"]) == (138.12, 9.9, 10.2)
     assert "non_torch_gib" not in got
+
+
+def test_a_calibration_runs_rows_plan_the_flags_its_commands_gave():
+    """bench/memory_plan_report.cal_rows on run 11's two 9B starts: the engine planned from each command and the
+    logged total is the one the hand-written rows give (24 GB card emulated at utilization 0.9, 2,048 batched tokens,
+    256 sequences, LoRA with 4 slots of rank 16), and so is the predicted pool."""
+    import memory_plan_report as report
+
+    rows = {r["name"].split(" ")[0]: r for r in report.cal_rows(ROOT / "docs/gpu-runs/2026-12-01-run11/cal", "0.21.0")}
+    assert set(rows) == {"9b-24g", "9b-24g-lora"}
+    by_hand = {r["name"].split(" ")[0]: r for r in report.rows() if r["name"].startswith("9b-24g")}
+    for name, row in rows.items():
+        eng, hand = row["engine"], by_hand[name]["engine"]
+        assert abs(eng.gpu_gib * eng.utilization - hand.gpu_gib * hand.utilization) < 0.01
+        assert (eng.max_num_batched_tokens, eng.max_num_seqs, eng.lora, eng.language_model_only) == (
+            2048,
+            256,
+            name.endswith("lora"),
+            True,
+        )
+        assert eng.max_loras == (4 if eng.lora else 1) and eng.max_model_len == 32768
+        got, want = report.evaluate(row), report.evaluate(by_hand[name])
+        assert abs(got["available_kv_gib predicted"] - want["available_kv_gib predicted"]) <= 0.01
+
+
+def test_the_command_parser_reads_the_flags_doctor_plans():
+    eng = cal.engine_from_command(
+        ["run", "m", "--max-model-len", "65536", "--limit-mm-per-prompt", '{"image": 3}', "--max-num-seqs", "8",
+         "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--enforce-eager", "--tensor-parallel-size", "4"],
+        23.5,
+        "0.24.1",
+    )  # fmt: skip
+    assert (eng.max_model_len, eng.image_limit, eng.max_num_seqs, eng.prefix_caching, eng.kv_dtype) == (
+        65536,
+        3,
+        8,
+        False,
+        "fp8",
+    )
+    assert eng.eager and eng.tp == 4 and eng.release == "0.24.1" and eng.utilization == 0.92
+    text_only = cal.engine_from_command(["--limit-mm-per-prompt", '{"image": 0, "video": 0}'], 24, "0.24.1")
+    assert text_only.language_model_only
