@@ -12,8 +12,10 @@ How:     after the original ``process_weights_after_loading``, when LoRA is on (
          the fused kernel for batches without LoRA, else gate/up per (token, expert) assignment from the EXL3
          kernels, aphrodite's ``apply_w13_lora``, the activation, down with the routed weights, ``apply_w2_lora``.
          ``FusedMoEWithLoRA`` then wraps the layer as it wraps any LoRA-capable MoE, and aphrodite's adapter loading
-         stacks both PEFT forms (per-expert modules, ``target_parameters`` on fused experts) into its buffers. P5
-         leaves a layer with such a kernel to the wrapper and stops refusing expert adapters for it.
+         stacks the adapter into its buffers: PEFT's ``target_parameters`` form on fused experts for Qwen3.5/3.6
+         (``is_3d_moe_weight``), per-expert modules with ``--enable-mixed-moe-lora-format`` (0.24+). P5 leaves a
+         layer with such a kernel to the wrapper, stops refusing expert adapters for it, and refuses the
+         per-expert form where the model takes the fused one, naming the flag.
 Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``) until a GPU run has checked it against HF + PEFT;
          NOT_APPLICABLE without ``LoRAExpertsMixin`` (0.20) or where ``FusedMoEWithLoRA`` does not take the quant
          method's ``moe_kernel`` (checked in its source); buggy while ``Exl3MoEMethod`` gives itself no kernel.
