@@ -139,7 +139,7 @@ def engine_from_command(command: list[str], total_gib: float, release: str):
     prefix = (
         True if "--enable-prefix-caching" in command else False if "--no-enable-prefix-caching" in command else None
     )
-    limits = json.loads(value("--limit-mm-per-prompt", default="{}"))
+    text_only, image_limit = memplan.memvision.mm_limits_plan(json.loads(value("--limit-mm-per-prompt", default="{}")))
     return memplan.Engine(
         total_gib,
         tp=value("--tensor-parallel-size", int, 1),
@@ -152,8 +152,8 @@ def engine_from_command(command: list[str], total_gib: float, release: str):
         lora="--enable-lora" in command,
         max_loras=value("--max-loras", int, 1),
         max_lora_rank=value("--max-lora-rank", int, 16),
-        language_model_only="--language-model-only" in command or (bool(limits) and not any(limits.values())),
-        image_limit=limits.get("image", memplan.memvision.DEFAULT_IMAGE_LIMIT),
+        language_model_only="--language-model-only" in command or text_only,
+        image_limit=image_limit,
         prefix_caching=prefix,
         release=release,
     )

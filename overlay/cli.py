@@ -270,6 +270,7 @@ def cmd_stubs(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.doctor import Options, as_json, diagnose, render
+    from hybrid_exl3_fixes.memvision import mm_limits_plan
 
     # every Options field from the flag of its name (two flags are spelled as the engine spells them)
     spelled = {"utilization": "gpu_memory_utilization", "prefix_caching": "enable_prefix_caching"}
@@ -278,8 +279,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         for f in dataclasses.fields(Options)
         if hasattr(args, spelled.get(f.name, f.name))
     }
-    text_only = args.limit_mm_per_prompt is not None and not any(args.limit_mm_per_prompt.values())
-    image_limit = (args.limit_mm_per_prompt or {}).get("image", Options.image_limit)
+    text_only, image_limit = mm_limits_plan(args.limit_mm_per_prompt)
     options = Options(
         **{**values, "language_model_only": args.language_model_only or text_only, "image_limit": image_limit}
     )

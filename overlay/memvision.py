@@ -32,6 +32,13 @@ DEFAULT_VIDEO_LONGEST_EDGE = 25_165_824  # video_preprocessor_config.json size.l
 DEFAULT_IMAGE_LIMIT = 999  # config/multimodal.py get_limit_per_prompt: a modality left unset
 
 
+def mm_limits_plan(limits: dict | None) -> tuple[bool, int]:
+    """What ``--limit-mm-per-prompt`` (its JSON object, or None when not given) means for the plan: text only (every
+    modality 0, as ``--language-model-only``), and the image count per prompt."""
+    limits = limits or {}
+    return bool(limits) and not any(limits.values()), limits.get("image", DEFAULT_IMAGE_LIMIT)
+
+
 def image_tokens(vision: dict, longest_edge: int = DEFAULT_LONGEST_EDGE) -> int:
     """Tokens of the largest image: longest_edge pixels over (patch x merge)^2."""
     return longest_edge // (vision["patch"] * vision["merge"]) ** 2

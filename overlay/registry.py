@@ -66,6 +66,11 @@ class BrokenInstall(Exception):
     """An aphrodite module cannot be imported because a package outside aphrodite is missing or broken."""
 
 
+def opted_in(environ, name: str) -> bool:
+    """An opt-in switch of this overlay (P12's, P13's) set: ``1``, ``true``, ``on`` or ``yes``."""
+    return (environ.get(name) or "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def classify_import_error(module: str, exc: ImportError) -> Exception:
     """BrokenInstall when the module that failed is not aphrodite's own (a missing dependency),
     Drift when aphrodite's own module is missing or lacks a name (upstream moved something)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..memvision import DEFAULT_IMAGE_LIMIT
 from ..memvision import DEFAULT_LONGEST_EDGE as _PUBLISHED_LONGEST_EDGE
 
 GIB = 1 << 30
@@ -41,7 +42,7 @@ class Options:
     kv_dtype: str = "auto"
     utilization: float = 0.92
     language_model_only: bool = False
-    image_limit: int = 999  # --limit-mm-per-prompt's image count (aphrodite's default for a modality left unset)
+    image_limit: int = DEFAULT_IMAGE_LIMIT  # --limit-mm-per-prompt's image count (aphrodite's for one left unset)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

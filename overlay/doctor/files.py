@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..memvision import image_tokens as image_tokens_of
 from ..modelfiles import (
     Fields,
     Problem,
@@ -13,7 +14,7 @@ from ..modelfiles import (
     read_safetensors_header,
 )
 from .base import DEFAULT_LONGEST_EDGE, KNOWN_ARCHS, PROCESSOR_FILES, TOKENIZER_SETS, Report
-from .shape import Shape
+from .shape import VISION_DEFAULTS, Shape
 
 
 def weight_files(report: Report, folder: Path) -> list[Path]:
@@ -58,7 +59,7 @@ def read_weights(report: Report, folder: Path) -> dict[str, dict]:
 
 
 def image_tokens(report: Report, folder: Path, shape: Shape, language_model_only: bool = False) -> tuple[int, str]:
-    vision = shape.vision or {"patch": 16, "merge": 2}
+    vision = shape.vision or VISION_DEFAULTS
     patch, merge = vision["patch"], vision["merge"]
     longest = DEFAULT_LONGEST_EDGE
     level = "WARN" if language_model_only else "BLOCK"  # text only: the engine does not need the processor
@@ -72,7 +73,7 @@ def image_tokens(report: Report, folder: Path, shape: Shape, language_model_only
                 report.add(level, "processor", problem + "; copy it from the base model")
         except Problem as exc:
             report.add(level, "processor", f"{exc}; copy it from the base model")
-    tokens = longest // (patch * merge) ** 2
+    tokens = image_tokens_of(vision, longest)
     return tokens, f"longest_edge {longest:,} px / ({patch} x {merge})^2 = {tokens:,} tokens per image"
 
 

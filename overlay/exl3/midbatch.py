@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from hybrid_exl3_fixes.registry import opted_in
+
 KEEP_ENV = "HYBRID_EXL3_FIXES_EXL3_KEEP"
 # P12 itself is an opt-in until a GPU run has measured it end to end (docs/upstream/exl3-mid-batch-rebuild.md)
 ENABLE_ENV = "HYBRID_EXL3_FIXES_MID_BATCH"
@@ -27,8 +29,7 @@ ENABLE_ENV = "HYBRID_EXL3_FIXES_MID_BATCH"
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """P12 on: ``HYBRID_EXL3_FIXES_MID_BATCH=1`` (or true / on / yes), or the keep opt-in set at all."""
-    flag = (environ.get(ENABLE_ENV) or "").strip().lower() in ("1", "true", "on", "yes")
-    return flag or bool((environ.get(KEEP_ENV) or "").strip())
+    return opted_in(environ, ENABLE_ENV) or bool((environ.get(KEEP_ENV) or "").strip())
 
 
 NATIVE, REBUILD, KEPT = "native", "rebuild", "kept"

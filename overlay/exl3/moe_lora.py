@@ -27,6 +27,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from hybrid_exl3_fixes.registry import opted_in
+
 ENABLE_ENV = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"
 PER_EXPERT_FROM = 64  # outside a CUDA-graph capture, batches of more tokens take the per-expert path
 MIXIN_MODULES = (  # LoRAExpertsMixin: 0.22+ under experts/, 0.21 beside modular_kernel; 0.20 has none
@@ -37,7 +39,7 @@ MIXIN_MODULES = (  # LoRAExpertsMixin: 0.22+ under experts/, 0.21 beside modular
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """P13 on: ``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1`` (or true / on / yes)."""
-    return (environ.get(ENABLE_ENV) or "").strip().lower() in ("1", "true", "on", "yes")
+    return opted_in(environ, ENABLE_ENV)
 
 
 def lora_experts_mixin() -> type | None:
@@ -127,23 +129,24 @@ def assignments_by_expert(ids) -> list[tuple[int, Any]]:
     return out
 
 
-def per_expert(method_cls: type, layer: Any, x16, ids, weights, cache1, cache2, out) -> None:
-    """The same two halves per expert over all its tokens (``_apply_exl3``: the small-row GEMM up to 32 rows, the
-    rebuild above), for batches too large for a token loop, outside capture. ``cache2`` None: the gate/up half
-    into cache1; else the down half, weighted, summed into ``out`` (float32)."""
-    k = ids.shape[1]
-    for expert, pos in assignments_by_expert(ids):
-        tokens = pos // k
-        if cache2 is None:
-            rows = x16.index_select(0, tokens)
-            flat = cache1.view(-1, cache1.shape[-1])
-            inter = flat.shape[-1] // 2
-            flat[pos, :inter] = method_cls._apply_exl3(layer, "w13", rows, expert, "w1").to(flat.dtype)
-            flat[pos, inter:] = method_cls._apply_exl3(layer, "w13", rows, expert, "w3").to(flat.dtype)
-        else:
-            rows = cache2.index_select(0, pos).to(x16.dtype)
-            down = method_cls._apply_exl3(layer, "w2", rows, expert, "w2").float()
-            out.index_add_(0, tokens, down * weights.reshape(-1)[pos].float().unsqueeze(-1))
+def gate_up_per_expert(method_cls: type, layer: Any, groups, k: int, x16, cache1) -> None:
+    """``gate_up_per_token``'s result, per expert over all its tokens (``_apply_exl3``: the small-row GEMM up to 32
+    rows, the rebuild above), for batches too large for a token loop, outside capture; ``groups``:
+    ``assignments_by_expert``."""
+    flat = cache1.view(-1, cache1.shape[-1])
+    inter = flat.shape[-1] // 2
+    for expert, pos in groups:
+        rows = x16.index_select(0, pos // k)
+        flat[pos, :inter] = method_cls._apply_exl3(layer, "w13", rows, expert, "w1").to(flat.dtype)
+        flat[pos, inter:] = method_cls._apply_exl3(layer, "w13", rows, expert, "w3").to(flat.dtype)
+
+
+def down_per_expert(method_cls: type, layer: Any, groups, k: int, cache2, weights, out) -> None:
+    """``down_per_token``'s result (weighted, summed into ``out``, float32), per expert over all its tokens."""
+    for expert, pos in groups:
+        rows = cache2.index_select(0, pos).half()  # the EXL3 kernels take float16
+        down = method_cls._apply_exl3(layer, "w2", rows, expert, "w2").float()
+        out.index_add_(0, pos // k, down * weights.reshape(-1)[pos].float().unsqueeze(-1))
 
 
 def build_experts_class() -> type:
@@ -220,10 +223,11 @@ def build_experts_class() -> type:
             cache1 = workspace13.view(-1)[: m * k * 2 * inter].view(m, k, 2 * inter)
             cache2 = workspace2.view(-1)[: m * k * inter].view(m * k, inter)
             token_loop = torch.cuda.is_current_stream_capturing() or m <= PER_EXPERT_FROM
+            groups = None if token_loop else assignments_by_expert(ids)  # one host sync, for both halves
             if token_loop:
                 gate_up_per_token(layer, ops, x16, ids, cache1)
             else:
-                per_expert(type(self.method), layer, x16, ids, topk_weights, cache1, None, None)
+                gate_up_per_expert(type(self.method), layer, groups, k, x16, cache1)
             meta = self.apply_w13_lora(
                 ctx, y=cache1, x=hidden_states, topk_ids=lora_ids, topk_weights=topk_weights, expert_map=None, w1=w1,
                 w2=w2, num_tokens=m, top_k_num=k,
@@ -233,7 +237,7 @@ def build_experts_class() -> type:
             if token_loop:
                 down_per_token(layer, ops, cache2, ids, topk_weights.to(torch.float16), base)
             else:
-                per_expert(type(self.method), layer, x16, ids, topk_weights, None, cache2, base)
+                down_per_expert(type(self.method), layer, groups, k, cache2, topk_weights, base)
             delta = workspace13.view(-1)[: m * k * hidden].view(m, k, hidden)
             delta.zero_()
             self.apply_w2_lora(

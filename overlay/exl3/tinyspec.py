@@ -165,7 +165,7 @@ class TinySpec:
     # lm_head as EXL3 at this bitrate (config head_bits); None keeps it a float16 linear
     head_bits: int | None = None
     # the vision tower: "tiny" (one block of width 128) or "published" (the published Qwen3.5/3.6 tower's
-    # dimensions, VISION_PUBLISHED: ~0.43 B bfloat16 parameters, for the memory plan's vision rows)
+    # dimensions, VISION_TOWERS["published"]: ~0.43 B bfloat16 parameters, for the memory plan's vision rows)
     vision: str = "tiny"
 
     @classmethod

@@ -106,7 +106,8 @@ class Reference:
             with torch.no_grad():
                 for (path, param, expert, rows), delta in self.expert_deltas[adapter].items():
                     weight = getattr(fused_experts(base, path, param), param)
-                    saved.setdefault((path, param), weight.detach().clone())
+                    if (path, param) not in saved:
+                        saved[path, param] = weight.detach().clone()
                     weight[expert, rows[0] : rows[1]] += delta.to(weight.device, weight.dtype)
             try:
                 yield
