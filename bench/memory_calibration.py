@@ -75,6 +75,12 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
         # vision on, three images a prompt as issue 34's held-out deployment (the profile encodes one image of the
         # processor's largest size either way); the 9B is written with the published vision tower (ci/gpu-run.sh cal)
         "9b-24g-vision": ("9b/exl3", None, [*emulate(24), "--limit-mm-per-prompt", '{"image": 3}']),
+        # the held-out deployment's batch size with vision on (the encoder budget follows it: encoder_budget.py)
+        "9b-24g-vision-mnbt8192": (
+            "9b/exl3",
+            None,
+            [*emulate(24), "--limit-mm-per-prompt", '{"image": 3}', "--max-num-batched-tokens", "8192"],
+        ),
         # two axes in one start where the device time is short: no compile, no graphs, and an fp8 KV pool
         "9b-24g-eager-fp8kv": ("9b/exl3", None, [*emulate(24), *TEXT, "--enforce-eager", "--kv-cache-dtype", "fp8"]),
         "35b-a3b-32g-eager": ("35b/exl3", None, [*emulate(32), *TEXT, "--enforce-eager"]),
@@ -94,6 +100,8 @@ HELD_OUT = ("27b-24g", "27b-24g-lora")
 # issue 34's rows on 0.24.1 (float32 GDN state, as make-tiny writes the published configs), in the order they run:
 # the 9B's four share one checkpoint and its compile cache; bfloat16 weights; the EXL3 MoE profiled, compiled
 ISSUE34 = ("9b-24g", "9b-24g-vision", "9b-24g-mnbt8192", "9b-24g-lora", "27b-4layer-bf16-h200", "35b4-32g")
+# run 29 added these in the device time left: the two batch sizes with vision on, fp8 KV and eager on 0.24.1
+ISSUE34_EXTRA = ("9b-24g-vision-mnbt8192", "9b-24g-fp8kv", "9b-24g-eager")
 
 # the server suite's start-up figures (KV memory, tokens, concurrency, compile times), and the profiling split
 FIGURES = {

@@ -2,10 +2,10 @@
 KV pool and concurrency that leaves (issue 34).
 
 Every term gets ``low`` (it may be this many bytes smaller) and ``high`` (this many larger) with ``why``: the
-calibration rows it rests on (bench/results/memory_plan.md, one H200), or the source it is read from. Terms restated
-from aphrodite's code (requested memory, weights, LoRA buffers) carry none. The pool's range is the plan's pool
-less the sum of the ``high`` bounds to plus the sum of the ``low`` ones; tokens and concurrency follow through the
-KV layout. A pinned pool (``--kv-cache-memory``) has no such range: the engine skips profiling.
+calibration rows it rests on (bench/results/memory_plan.md: 0.21.0 on an H200, 0.24.1 on an H100), or the source it is
+read from. Terms restated from aphrodite's code (requested memory, weights, LoRA buffers) carry none. The pool's range
+is the plan's pool less the sum of the ``high`` bounds to plus the sum of the ``low`` ones; tokens and concurrency
+follow through the KV layout. A pinned pool (``--kv-cache-memory``) has no such range: the engine skips profiling.
 
 TP > 1 adds NCCL's lazily allocated connection buffers (memplan.plan's ``nccl_buffers``): the engine's profiling run
 makes the first all-reduces, NCCL connects then (``NCCL_RUNTIME_CONNECT`` defaults to 1, NCCL 2.30.7
@@ -50,14 +50,20 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
         )
     if name == "activation_peak":
         return b(
-            value // 10,
-            value // 4,
-            "-10 % / +25 %: within 0.6 % on the 9B; on the held-out 27B rows the pool missed 0.65 GiB beyond the "
-            "CUDA-graph term (22 % of this one)",
+            max(value // 10, 0.1 * GIB),
+            max(value // 4, 0.15 * GIB),
+            "-10 % / +25 %, at least -0.1 / +0.15 GiB: within 0.6 % on the 9B (0.21.0), within 8 % on 0.24.1's 9B "
+            "rows, 0.11 GiB above the plan on 0.24.1's 4-layer MoE; on the held-out 27B rows the pool missed 0.65 "
+            "GiB beyond the CUDA-graph term (22 % of this one)",
         )
     if name == "non_torch":
         if big_gpu:
-            return b(0.02 * GIB, 0.01 * GIB, "0.25-0.28 GiB on every H200 row (TP 1)")
+            return b(
+                0.08 * GIB,
+                0.09 * GIB,
+                "0.25-0.28 GiB on 0.21.0's H200 rows; 0.19-0.36 GiB on 0.24.1's H100 rows (total consumed less the "
+                "weights and the runner's buffers), TP 1",
+            )
         return b(value // 2, value, "not measured on a GPU under 70 GiB: half to twice the H200's 0.27 GiB")
     if name == "cudagraphs":
         return b(value * 0.21, value * 0.74, "logged / planned 0.79-1.73 on the calibration rows")
@@ -65,7 +71,8 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
         return b(
             value // 2,
             value // 2,
-            "the encoder's peak counted from its live tensors, not yet measured against an engine: +/- half",
+            "the encoder's peak counted from its live tensors: +/- half (0.24.1's 9B with the published tower: the "
+            "vision rows' pools within 1.2 % of the plan, their torch peak 0.07 GiB under the text-only row's)",
         )
     if name == "nccl_buffers":
         return b(

@@ -10,7 +10,10 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   the engine logs it as "desired GPU memory utilization (0.92, ...)");
   available KV = requested - (weights + torch peak + non-torch increase) - CUDA graph estimate
   (v1/worker/gpu_worker.py determine_available_memory; the estimate is subtracted by default since
-  0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1).
+  0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1). From 0.23.0 the profiler counts "total consumed" (the
+  drop in free memory since the worker's start-up snapshot) plus the transient peak (utils/mem_utils.py
+  memory_profiling): the same terms, and with them whatever the model runner allocates after the snapshot
+  (memprofile.py's ``runner_buffers``, Model Runner V2 in 0.24.1).
 - batch defaults: a GPU of >= 70 GiB (not an A100) gets --max-num-batched-tokens 8192 and
   --max-num-seqs 1024 under `aphrodite run`; smaller GPUs 2048 and 256 (engine/arg_utils.py
   get_batch_defaults): the one place the GPU model changes the plan by itself.
@@ -37,9 +40,9 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   buffers of C x 128 tokens per expert x (hidden, hidden, intermediate, intermediate) with C = the GPU's SM count
   // 12, and a handful of top_k-sized ones (quantization/exl3.py Exl3MoEMethod._setup_fused_moe_kernel,
   0.20.0-0.24.1; 32 tokens per expert on SM 11.x in 0.24): 13.8 MiB a layer at the 35B-A3B's widths on an H200.
-- EXL3 GEMM: more than 32 rows reconstruct the whole fp16 weight of the tensor first
+- EXL3 GEMM: more than 32 rows (0.24.1: 144) reconstruct the fp16 weight of the tensor first
   (quantization/exl3.py _exl3_linear_one): the profiling run's sampler pass (max_num_seqs rows through
-  lm_head) holds a vocab x hidden fp16 copy of an EXL3 head.
+  lm_head) holds an fp16 copy of an EXL3 head, whole or (0.24.1) in slices (memprofile.py).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import membounds, memvision
+from . import membounds, memprofile, memvision
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -270,42 +273,6 @@ def lora_bytes(shape, eng: Engine) -> tuple[int, str]:
     )
 
 
-def activation_peak(shape, tensors: dict, eng: Engine, exl3: bool) -> tuple[int, str]:
-    """Torch peak of the profiling run: the larger of the forward pass over max_num_batched_tokens and the
-    sampler pass over max_num_seqs rows (which, for an EXL3 head, reconstructs the head in fp16)."""
-    h, vocab, inter = shape.hidden or 0, shape.vocab or 0, shape.intermediate or 0
-    if shape.moe:
-        inter = max(shape.moe.get("shared_intermediate") or 0, shape.moe.get("intermediate") or 0)
-    tokens, rows = eng.max_num_batched_tokens, eng.max_num_seqs
-    head_exl3 = exl3 and any(n.startswith("lm_head.") and n.endswith(".trellis") for n in tensors)
-    head = (vocab * h * 2 if head_exl3 else 0) // eng.tp + rows * vocab * 2 // eng.tp + tokens * h * 2
-    # MLP activations at max_num_batched_tokens: gate/up outputs, and for EXL3 also their fp16 concat and
-    # its cast back to the model dtype (apply runs one kernel per checkpoint tensor and joins them);
-    # a handful of hidden-width copies around it (residual, norm, x_had)
-    forward = tokens * 2 * ((4 if exl3 else 3) * inter // eng.tp + (6 if exl3 else 4) * h)
-    largest = 0
-    if exl3:  # the largest single EXL3 tensor a > 32-row pass reconstructs (outside the head)
-        largest = max(
-            (
-                t["shape"][0] * t["shape"][1] * 256 * 2 // eng.tp
-                for n, t in tensors.items()
-                if n.endswith(".trellis") and not n.startswith("lm_head.") and len(t.get("shape", ())) == 3
-            ),
-            default=0,
-        )
-    forward += largest
-    sampler = rows * vocab * 4 * 2 // eng.tp
-    peak = max(head, forward, sampler)
-    which = {head: "sampler pass through the head", forward: "forward pass", sampler: "sampler (fp32 logits)"}[peak]
-    return peak, (
-        f"max(head pass {head / GIB:.2f} GiB = {'EXL3 head reconstructed vocab x hidden x 2 B + ' if head_exl3 else ''}"
-        f"{rows} rows x {vocab:,} x 2 B + {tokens} x {h} x 2 B; forward {forward / GIB:.2f} GiB = {tokens} tokens x "
-        f"2 B x ({4 if exl3 else 3} x {inter} + {6 if exl3 else 4} x {h})"
-        f"{' + largest EXL3 reconstruct' if exl3 else ''}; sampler "
-        f"{sampler / GIB:.2f} GiB): {which}"
-    )
-
-
 def cudagraph_bytes(shape, eng: Engine) -> tuple[int, str]:
     if eng.eager:
         return 0, "--enforce-eager: no CUDA graphs"
@@ -380,16 +347,22 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     """Every term per rank, the predicted available KV memory, and what the engine will report."""
     layers = len(shape.layer_types)
     tensors = {n: t for n, t in tensors.items() if not is_mtp(n)}
-    vision = sum(t["bytes"] for n, t in tensors.items() if ".visual." in n or n.startswith("visual."))
-    stored = sum(t["bytes"] for t in tensors.values()) - (vision if eng.language_model_only else 0)
+    release = release_tuple(eng.release or "") or release_tuple(NEWEST_RELEASE)
+    width = dtype_bytes(eng.dtype)
+    if eng.language_model_only:
+        tensors = {n: t for n, t in tensors.items() if not (".visual." in n or n.startswith("visual."))}
+    stored = sum(memprofile.loaded_bytes(n, t, width) for n, t in tensors.items())
     lora, lora_formula = lora_bytes(shape, eng)
-    peak, peak_formula = activation_peak(shape, tensors, eng, exl3)
+    peak, peak_formula = memprofile.activation_peak(shape, tensors, eng, exl3, release)
+    buffers, buffers_formula = memprofile.runner_buffers(shape, eng, release)
     graphs, graphs_formula = cudagraph_bytes(shape, eng)
     load = LOAD_OVERHEAD + LOAD_OVERHEAD_PER_LAYER * layers
     requested = math.ceil(eng.gpu_gib * GIB * eng.utilization)
     terms = {
         "requested": term(requested, f"{eng.gpu_gib:g} GiB x {eng.utilization:g} (per GPU)", "code"),
-        "weights": term(stored // eng.tp, f"safetensors bytes {stored / GIB:.3f} GiB / TP {eng.tp}", "code"),
+        "weights": term(
+            stored // eng.tp, f"checkpoint tensors, floats as {eng.dtype}: {stored / GIB:.3f} GiB / TP {eng.tp}", "code"
+        ),
         "lora_buffers": term(lora, lora_formula, "code"),
         "load_overhead": term(
             load, f"{LOAD_OVERHEAD // MIB} MiB + {LOAD_OVERHEAD_PER_LAYER // MIB} MiB x {layers} layers", "measured"
@@ -399,6 +372,7 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
             NON_TORCH, "cuBLAS / Triton workspaces at TP 1 on an H200 (NCCL's below)", "measured (GPU-dependent)"
         ),
         "cudagraphs": term(graphs, graphs_formula, "code structure, measured per-graph costs"),
+        "runner_buffers": term(buffers, buffers_formula, "code"),
     }
     if exl3 and shape.moe:  # inside the engine's "Model loading took" figure, beside the weights
         scratch, scratch_formula = exl3_moe_scratch(shape, eng)

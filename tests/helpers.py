@@ -56,6 +56,7 @@ VERSION_INDEPENDENT = (
     "test_exllamav3_layout.py",
     "test_fetch_wheel.py",
     "test_memplan.py",
+    "test_memprofile.py",
     "test_packaging.py",
     "test_roofline.py",
     "test_server_suite.py",

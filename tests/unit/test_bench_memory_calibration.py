@@ -54,7 +54,8 @@ def test_a_calibration_runs_rows_plan_the_flags_its_commands_gave():
 
     rows = {r["name"].split(" ")[0]: r for r in report.cal_rows(ROOT / "docs/gpu-runs/2026-12-01-run11/cal", "0.21.0")}
     assert set(rows) == {"9b-24g", "9b-24g-lora"}
-    by_hand = {r["name"].split(" ")[0]: r for r in report.rows() if r["name"].startswith("9b-24g")}
+    by_hand = {r["name"].split(" ")[0]: r for r in report.rows() if r["name"].startswith("9b-24g (aphrodite run")}
+    by_hand |= {r["name"].split(" ")[0]: r for r in report.rows() if r["name"].startswith("9b-24g-lora (aphrodite run")}
     for name, row in rows.items():
         eng, hand = row["engine"], by_hand[name]["engine"]
         assert abs(eng.gpu_gib * eng.utilization - hand.gpu_gib * hand.utilization) < 0.01
