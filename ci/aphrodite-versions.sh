@@ -9,9 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS="${*:-0.20.0 0.21.0 0.22.0 0.23.0 0.24.1}"  # 0.24.0: see ci/test.sh
 mkdir -p .cache/wheels .cache/aphrodite
+compiled() {  # DEST: its bytecode written once (python -m compileall writes it whatever PYTHONDONTWRITEBYTECODE
+  # says, which CI's image sets: without it every process the suite starts compiles aphrodite's sources again)
+  [ -f "$1/.pyc-ok" ] && return
+  python -m compileall -q -j 0 "$1/aphrodite" > /dev/null 2>&1 || true
+  touch "$1/.pyc-ok"
+}
 for v in $VERSIONS; do
   dest=.cache/aphrodite/$v
-  [ -f "$dest/.ok" ] && continue
+  [ -f "$dest/.ok" ] && { compiled "$dest"; continue; }
   # ci/fetch-wheel.py resumes a cut download (a 290 MB wheel once failed CI at 189.5 MB); pip is the
   # fallback for an index that does not speak PEP 691's JSON.
   ls .cache/wheels/aphrodite_engine-"$v"-*.whl >/dev/null 2>&1 ||
@@ -27,5 +33,6 @@ with zipfile.ZipFile(whl) as z:
     z.extractall(kernels, [n for n in z.namelist() if n.startswith("aphrodite/_C") and n.endswith(".so")])
 PY
   touch "$dest/.ok"
+  compiled "$dest"
   echo "aphrodite-engine $v unpacked into $dest"
 done

@@ -39,8 +39,9 @@ def aphrodite_copy(tmp_path):
     site = aphrodite_site()
     dest = tmp_path / "site"
     dest.mkdir()
-    # without the compiled libraries and the C++/CUDA headers and web assets nothing imports (half the bytes)
-    skipped = ("__pycache__", "*.so", "*.h", "*.hpp", "*.cuh", "*.cu", "*.cpp", "*.js", "*.css", "*.map")
+    # without the compiled libraries and the C++/CUDA headers and web assets nothing imports (half the bytes); the
+    # bytecode comes along (copytree keeps the sources' times, so an edited file's is stale and Python recompiles it)
+    skipped = ("*.so", "*.h", "*.hpp", "*.cuh", "*.cu", "*.cpp", "*.js", "*.css", "*.map")
     shutil.copytree(site / "aphrodite", dest / "aphrodite", ignore=shutil.ignore_patterns(*skipped))
     for info in site.glob("aphrodite_engine-*.dist-info"):
         shutil.copytree(info, dest / info.name)
