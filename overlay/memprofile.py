@@ -13,7 +13,7 @@ restated per release from aphrodite's sources; what could not be traced to a sou
   targets to V1. V2 allocates after the engine's start-up snapshot, so inside the profiler's "total consumed"
   (0.23+: ``mem_utils.memory_profiling``), buffers of max_num_seqs rows: the penalties' ``output_bin_counts``
   (vocab int32) and ``prompt_bin_mask`` (vocab / 32 int32), v1/worker/gpu/sample/penalties.py, and the requests'
-  ``all_token_ids`` (max_model_len int32), v1/worker/gpu/states.py.
+  ``all_token_ids`` (max_model_len int32), v1/worker/gpu/states.py (docs/upstream/model-runner-v2-penalty-buffers.md).
 - Measured, source not found (docs/doctor.md "0.24.1's profiling run"): on 0.24.1 the compiled engine's profiling
   peak with an EXL3 head is the whole head's float16 reconstruction (1.99 GiB on the 9B, where slices would give
   0.25 GiB), the eager engine's is the sliced one (0.44 GiB in all). The plan follows what was measured.
