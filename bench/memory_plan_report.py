@@ -75,6 +75,15 @@ def tiny_config(preset: str, **overrides) -> dict:
     return hf_config(TinySpec.preset(preset, **overrides) if preset != "tiny" else TinySpec(**overrides))
 
 
+def read_log(log: Path) -> str:
+    """A log as committed: ``name.log``, or ``name.log.xz`` where the run's logs were compressed."""
+    if not log.exists() and log.with_name(log.name + ".xz").exists():
+        import lzma
+
+        return lzma.decompress(log.with_name(log.name + ".xz").read_bytes()).decode(errors="replace")
+    return log.read_text(errors="replace")
+
+
 def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
     """A configuration whose engine profiled: its log, what doctor read of its model (a run's inputs-*.json)."""
     saved = json.loads(inputs.read_text())
@@ -85,7 +94,7 @@ def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
         config=saved["config.json"],
         tensors=saved["tensors"],
         engine=engine,
-        text=log.read_text(errors="replace"),
+        text=read_log(log),
     )
 
 
