@@ -86,7 +86,11 @@ def read_log(log: Path) -> str:
 
 def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
     """A configuration whose engine profiled: its log, what doctor read of its model (a run's inputs-*.json)."""
-    saved = json.loads(inputs.read_text())
+    from report import read_inputs
+
+    if not inputs.exists() and inputs.with_name(inputs.name + ".xz").exists():
+        inputs = inputs.with_name(inputs.name + ".xz")
+    saved = read_inputs(inputs)
     return dict(
         kind="pool",
         name=name,
