@@ -106,8 +106,6 @@ HELD_OUT = ("27b-24g", "27b-24g-lora")
 # issue 34's rows on 0.24.1 (float32 GDN state, as make-tiny writes the published configs), in the order they run:
 # the 9B's four share one checkpoint and its compile cache; bfloat16 weights; the EXL3 MoE profiled, compiled
 ISSUE34 = ("9b-24g", "9b-24g-vision", "9b-24g-mnbt8192", "9b-24g-lora", "27b-4layer-bf16-h200", "35b4-32g")
-# run 29 added these in the device time left: the two batch sizes with vision on, fp8 KV and eager on 0.24.1
-ISSUE34_EXTRA = ("9b-24g-vision-mnbt8192", "9b-24g-fp8kv", "9b-24g-eager")
 
 # the server suite's start-up figures (KV memory, tokens, concurrency, compile times), and the profiling split
 FIGURES = {

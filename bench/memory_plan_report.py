@@ -75,22 +75,26 @@ def tiny_config(preset: str, **overrides) -> dict:
     return hf_config(TinySpec.preset(preset, **overrides) if preset != "tiny" else TinySpec(**overrides))
 
 
-def read_log(log: Path) -> str:
-    """A log as committed: ``name.log``, or ``name.log.xz`` where the run's logs were compressed."""
-    if not log.exists() and log.with_name(log.name + ".xz").exists():
-        import lzma
+def committed(path: Path) -> Path:
+    """A run's file as committed: ``path``, or ``path.xz`` where the run's files were compressed."""
+    packed = path.with_name(path.name + ".xz")
+    return packed if not path.exists() and packed.exists() else path
 
-        return lzma.decompress(log.with_name(log.name + ".xz").read_bytes()).decode(errors="replace")
-    return log.read_text(errors="replace")
+
+def read_log(log: Path) -> str:
+    """A run's log as text, compressed or not (``committed``)."""
+    import lzma
+
+    path = committed(log)
+    raw = path.read_bytes()
+    return (lzma.decompress(raw) if path.suffix == ".xz" else raw).decode(errors="replace")
 
 
 def pool_row(name: str, log: Path, inputs: Path, engine) -> dict:
     """A configuration whose engine profiled: its log, what doctor read of its model (a run's inputs-*.json)."""
     from report import read_inputs
 
-    if not inputs.exists() and inputs.with_name(inputs.name + ".xz").exists():
-        inputs = inputs.with_name(inputs.name + ".xz")
-    saved = read_inputs(inputs)
+    saved = read_inputs(committed(inputs))
     return dict(
         kind="pool",
         name=name,

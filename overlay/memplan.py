@@ -131,12 +131,16 @@ class Engine:
         self.max_num_batched_tokens = self.max_num_batched_tokens or (8192 if big else 2048)
 
     @property
+    def release_version(self) -> tuple[int, ...]:
+        """The planned release as a tuple (``release_tuple``); the newest supported where none is named."""
+        return release_tuple(self.release or "") or release_tuple(NEWEST_RELEASE)
+
+    @property
     def prefix_caching_on(self) -> bool:
         """The flag as given, else the release's default: on for hybrid models from 0.23.0."""
         if self.prefix_caching is not None:
             return self.prefix_caching
-        release = release_tuple(self.release or "") or release_tuple(NEWEST_RELEASE)
-        return release >= PREFIX_CACHING_DEFAULT_FROM
+        return self.release_version >= PREFIX_CACHING_DEFAULT_FROM
 
     @property
     def state_blocks_per_request(self) -> int:
@@ -347,14 +351,13 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     """Every term per rank, the predicted available KV memory, and what the engine will report."""
     layers = len(shape.layer_types)
     tensors = {n: t for n, t in tensors.items() if not is_mtp(n)}
-    release = release_tuple(eng.release or "") or release_tuple(NEWEST_RELEASE)
     width = dtype_bytes(eng.dtype)
     if eng.language_model_only:
         tensors = {n: t for n, t in tensors.items() if not (".visual." in n or n.startswith("visual."))}
     stored = sum(memprofile.loaded_bytes(n, t, width) for n, t in tensors.items())
     lora, lora_formula = lora_bytes(shape, eng)
-    peak, peak_formula = memprofile.activation_peak(shape, tensors, eng, exl3, release)
-    buffers, buffers_formula = memprofile.runner_buffers(shape, eng, release)
+    peak, peak_formula = memprofile.activation_peak(shape, tensors, eng, exl3)
+    buffers, buffers_formula = memprofile.runner_buffers(shape, eng)
     graphs, graphs_formula = cudagraph_bytes(shape, eng)
     load = LOAD_OVERHEAD + LOAD_OVERHEAD_PER_LAYER * layers
     requested = math.ceil(eng.gpu_gib * GIB * eng.utilization)

@@ -57,13 +57,13 @@ def head_reconstruct(rows: int, in_features: int, out_features: int, release: tu
     return whole, "EXL3 head: the whole head's size (measured in the compiled engine, source not found)"
 
 
-def activation_peak(shape, tensors: dict, eng, exl3: bool, release: tuple) -> tuple[int, str]:
+def activation_peak(shape, tensors: dict, eng, exl3: bool) -> tuple[int, str]:
     """Torch peak of the profiling run: the larger of the forward pass over max_num_batched_tokens and the
     sampler pass over max_num_seqs rows (which, for an EXL3 head, may reconstruct the head in fp16)."""
     h, vocab, inter = shape.hidden or 0, shape.vocab or 0, shape.intermediate or 0
     if shape.moe:
         inter = max(shape.moe.get("shared_intermediate") or 0, shape.moe.get("intermediate") or 0)
-    tokens, rows = eng.max_num_batched_tokens, eng.max_num_seqs
+    tokens, rows, release = eng.max_num_batched_tokens, eng.max_num_seqs, eng.release_version
     head_exl3 = exl3 and any(n.startswith("lm_head.") and n.endswith(".trellis") for n in tensors)
     rebuilt, how = head_reconstruct(rows, h, vocab, release, eng.eager) if head_exl3 else (0, "")
     head = rebuilt // eng.tp + rows * vocab * 2 // eng.tp + tokens * h * 2
@@ -94,9 +94,9 @@ def activation_peak(shape, tensors: dict, eng, exl3: bool, release: tuple) -> tu
     )
 
 
-def runner_buffers(shape, eng, release: tuple) -> tuple[int, str]:
+def runner_buffers(shape, eng) -> tuple[int, str]:
     """Model Runner V2's buffers of max_num_seqs rows (0.24.1), inside the profiler's total consumed; 0 before."""
-    if release < V2_RUNNER_FROM:
+    if eng.release_version < V2_RUNNER_FROM:
         return 0, "Model Runner V1: its buffers predate the calibration (inside non_torch)"
     rows, vocab = eng.max_num_seqs, shape.vocab or 0
     per_row = vocab * 4 + -(-vocab // 32) * 4 + eng.max_model_len * 4

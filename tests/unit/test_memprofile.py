@@ -41,9 +41,9 @@ def test_the_exl3_head_reconstructs_per_release_and_mode():
 def test_model_runner_v2s_row_buffers_count_from_0_24_1():
     shape = SimpleNamespace(vocab=248320)
     eng = memplan.Engine(24, max_model_len=32768, release="0.24.1")
-    got, formula = memprofile.runner_buffers(shape, eng, V24)
+    got, formula = memprofile.runner_buffers(shape, eng)
     assert got == 256 * (248320 * 4 + 7760 * 4 + 32768 * 4) and "Model Runner V2" in formula
-    assert memprofile.runner_buffers(shape, eng, V23)[0] == 0
+    assert memprofile.runner_buffers(shape, memplan.Engine(24, max_model_len=32768, release="0.23.0"))[0] == 0
 
 
 def test_the_eager_9b_on_0_24_1_plans_the_sliced_head():
