@@ -9,7 +9,7 @@ restated per release from aphrodite's sources; what could not be traced to a sou
   (``_EXL3_AUTO_RECONSTRUCT_THRESHOLD``), in slices of at most 32,768 output columns
   (``_EXL3_MAX_RECONSTRUCT_SLICE_N``), in 0.24.1.
 - The model runner: 0.24.1 starts Model Runner V2 for Qwen3.5 by default (config/aphrodite.py
-  ``use_v2_model_runner``: "Using V2 Model Runner" in every 0.24.1 start-up log of run 29); 0.23.0 defaults hybrid
+  ``use_v2_model_runner``: the start-up log says "Using V2 Model Runner"); 0.23.0 defaults hybrid
   targets to V1. V2 allocates after the engine's start-up snapshot, so inside the profiler's "total consumed"
   (0.23+: ``mem_utils.memory_profiling``), buffers of max_num_seqs rows: the penalties' ``output_bin_counts``
   (vocab int32) and ``prompt_bin_mask`` (vocab / 32 int32), v1/worker/gpu/sample/penalties.py, and the requests'

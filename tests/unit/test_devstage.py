@@ -98,8 +98,7 @@ def test_device_bg_stop_ends_every_process_of_the_job_whatever_its_session(tmp_p
 
 def test_the_tracked_tree_and_one_staging_part_fit_one_device_call():
     """A device call carries the working tree and what it names, 64 MiB in all; a staging call carries one part of
-    ci/stage-0.24.sh's 52 MiB (run 29's extra row was lost when its uncompressed logs took the tree over: commit a run's
-    logs compressed)."""
+    ci/stage-0.24.sh's 52 MiB: a run's logs are committed compressed (docs/development.md)."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     tree = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
     part = 52 * MIB
