@@ -199,8 +199,11 @@ def build_experts_class() -> type:
         def workspace_shapes(
             self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation
         ):
-            # workspace13: cache1 (M x topk, N = 2I), then the down delta (M x topk, K); workspace2: cache2
-            return (M * topk, max(N, K)), (M * topk, N // 2), (M, K)
+            # The modular kernel hands out the output as a view of workspace13's memory (both releases'
+            # _allocate_buffers): workspace13 holds cache2 (M x topk, I), read before the output is written;
+            # workspace2 holds cache1 (M x topk, N = 2I), then the down delta (M x topk, K), which is summed into the
+            # output and so must not share its memory
+            return (M * topk, N // 2), (M * topk, max(N, K)), (M, K)
 
         def finalize_weight_and_reduce_impl(self):
             return TopKWeightAndReduceNoOP()  # apply writes each token's weighted sum itself
@@ -220,8 +223,8 @@ def build_experts_class() -> type:
             lora_ids = topk_ids.clamp(min=0)
             ids = lora_ids.to(torch.long)
             x16 = hidden_states.to(torch.float16).contiguous()
-            cache1 = workspace13.view(-1)[: m * k * 2 * inter].view(m, k, 2 * inter)
-            cache2 = workspace2.view(-1)[: m * k * inter].view(m * k, inter)
+            cache1 = workspace2.view(-1)[: m * k * 2 * inter].view(m, k, 2 * inter)
+            cache2 = workspace13.view(-1)[: m * k * inter].view(m * k, inter)
             token_loop = torch.cuda.is_current_stream_capturing() or m <= PER_EXPERT_FROM
             groups = None if token_loop else assignments_by_expert(ids)  # one host sync, for both halves
             if token_loop:
@@ -238,7 +241,7 @@ def build_experts_class() -> type:
                 down_per_token(layer, ops, cache2, ids, topk_weights.to(torch.float16), base)
             else:
                 down_per_expert(type(self.method), layer, groups, k, cache2, topk_weights, base)
-            delta = workspace13.view(-1)[: m * k * hidden].view(m, k, hidden)
+            delta = workspace2.view(-1)[: m * k * hidden].view(m, k, hidden)
             delta.zero_()
             self.apply_w2_lora(
                 ctx, y=delta, x=cache2, topk_weights=topk_weights, sorted_token_ids_lora=meta[0],

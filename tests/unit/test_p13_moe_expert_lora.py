@@ -88,8 +88,9 @@ def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
     assert kernel.fused_experts is experts  # 0.24's FusedMoEModularMethod reads its moe_config from there
     if hasattr(kernel, "supports_expert_map"):  # 0.21's FusedMoEModularMethod asks; EXL3 MoE has no expert map
         assert kernel.supports_expert_map() is False
-    # cache1 (M x topk, 2I) in workspace13, the activation (M x topk, I) in workspace2, the output (M, H)
-    assert experts.workspace_shapes(5, 512, 256, 2, 4, 4, None, MoEActivation.SILU) == ((10, 512), (10, 256), (5, 256))
+    # the activation (M x topk, I) in workspace13, whose memory the modular kernel also hands out as the output
+    # (M, H); cache1 (M x topk, 2I), then the down delta, in workspace2
+    assert experts.workspace_shapes(5, 512, 256, 2, 4, 4, None, MoEActivation.SILU) == ((10, 256), (10, 512), (5, 256))
     assert experts.activation_format() == mk.FusedMoEActivationFormat.Standard
     assert cls._supports_activation(MoEActivation.SILU) and not cls._supports_no_act_and_mul()
 
