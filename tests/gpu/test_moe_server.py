@@ -51,6 +51,10 @@ ADAPTERS = ("lora-a", "lora-b")
 REFUSED = "targets the routed experts of EXL3 MoE layers"
 P13_ON = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"  # hybrid_exl3_fixes.exl3.moe_lora.ENABLE_ENV
 EXPERTS_3D = ("lora-a", "lora-experts-3d")
+# The 35B-A3B-width checkpoint's pinned 2 GiB pool holds 992 Mamba state blocks; 0.24.1's default --max-num-seqs on a
+# big GPU is 1024, and it refuses to start with more sequences than blocks ("max_num_seqs (1024) exceeds available
+# Mamba cache blocks (992)"; docs/gpu-results.md, run 30): the P13 cell pins 256, the default below 70 GiB cards
+MOE35_SEQS = ("--max-num-seqs", "256")
 EXPERTS_OFF = "expert adapter without its expert deltas"
 # A random MoE at the 35B-A3B width is sensitive to the activation dtype itself: HF in bfloat16 is 0.87 from HF in
 # float32 over a cell's 19 prompts (make-tiny qwen3.6-35b-a3b, CPU, 2026-12-01; tiny-moe: 0.029), against the
@@ -90,7 +94,7 @@ CELLS = {
     # on the fused experts served against HF + PEFT, alone and mixed with the base and lora-a in one batch
     "moe-eager-bf16-lora-experts3d-p13": (True, EXPERTS_3D, ["--enforce-eager"], {P13_ON: "1"}, "serve"),
     "moe-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
-    "moe35-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
+    "moe35-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [*MOE35_SEQS], {P13_ON: "1"}, "serve"),
     # the per-expert form: Qwen3.5/3.6 MoE models take the fused form (is_3d_moe_weight), so P5 refuses it naming
     # the flag that takes it on 0.24+, where it is then served (against HF with its deltas merged into the experts)
     "moe-eager-bf16-lora-experts-p13": (

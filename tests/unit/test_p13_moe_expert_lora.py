@@ -162,3 +162,47 @@ def test_p5_counts_only_the_exl3_moe_layers_no_wrapper_took():
     wrapped.add_module("base_layer", p5.stand_in_exl3_moe_layer())
     model.add_module("wrapped", wrapped)
     assert p5.exl3_moe_names(model) == ["unwrapped"]
+
+
+def wrapped_moe_block():
+    """A MoE block as 0.21.0's LoRA manager leaves it mid-walk: ``mlp.experts`` already a LoRA wrapper, the old layer
+    (its ``base_layer``) holding a ``runner`` whose ``gate`` aliases the block's router (fake inputs; the wrapper is
+    a real ``BaseLayerWithLoRA``)."""
+    from aphrodite.lora.layers import BaseLayerWithLoRA
+
+    class Wrapper(BaseLayerWithLoRA):
+        def __init__(self, base_layer):
+            super().__init__()
+            self.base_layer = base_layer
+
+    root, mlp, experts, runner = (torch.nn.Module() for _ in range(4))
+    runner.gate = torch.nn.Linear(2, 2)
+    experts.runner = runner
+    mlp.experts = Wrapper(experts)
+    root.mlp = mlp
+    return root, runner
+
+
+@pytest.mark.skipif(not HAS_MIXIN, reason="0.20.0 has no LoRAExpertsMixin: P13 does not apply there")
+def test_the_lora_manager_wraps_an_alias_below_a_wrapped_moe_layer(overlay, monkeypatch):
+    """0.21.0 stops at start-up with "FusedMoE3DWithLoRA has no attribute `runner`" once P13 lets the MoE layer be
+    wrapped (docs/upstream/lora-moe-runner-alias.md); with P13 the alias is replaced through the wrapper."""
+    from aphrodite.lora import model_manager
+    from aphrodite.lora.layers import BaseLayerWithLoRA
+
+    root, runner = wrapped_moe_block()
+    new = torch.nn.Linear(2, 2)
+    if "__getattr__" in vars(BaseLayerWithLoRA):  # 0.24: the wrapper forwards a public miss to its base_layer
+        assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new and runner.gate is new
+        root, runner = wrapped_moe_block()
+    else:  # the release's own replace_submodule stops at the wrapper
+        with pytest.raises(AttributeError, match="runner"):
+            model_manager.replace_submodule(root, "mlp.experts.runner.gate", new)
+    monkeypatch.setenv(moe_lora.ENABLE_ENV, "1")
+    result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
+    assert result.status.value == "APPLIED", result.reason
+    assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new and runner.gate is new
+    other = torch.nn.Linear(2, 2)  # a path the model resolves: the original's answer
+    assert model_manager.replace_submodule(root, "mlp.experts", other) is other and root.mlp.experts is other
+    with pytest.raises(AttributeError):  # a path that exists nowhere still stops
+        model_manager.replace_submodule(root, "mlp.nothing.gate", new)

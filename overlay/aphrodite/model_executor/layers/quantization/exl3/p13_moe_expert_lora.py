@@ -16,6 +16,12 @@ How:     after the original ``process_weights_after_loading``, when LoRA is on (
          (``is_3d_moe_weight``), per-expert modules with ``--enable-mixed-moe-lora-format`` (0.24+). P5 leaves a
          layer with such a kernel to the wrapper, stops refusing expert adapters for it, and refuses the
          per-expert form where the model takes the fused one, naming the flag.
+         On 0.21.0 the LoRA manager's walk over ``named_modules`` goes on into the wrapped MoE layer's own children
+         (its ``runner``, which holds the router ``gate`` and the shared experts as aliases of the block's modules)
+         and stops at ``get_submodule``: "FusedMoE3DWithLoRA has no attribute `runner`" (0.22+ resolve the alias
+         themselves). P13 gives ``replace_submodule`` (both binding sites) the one step it lacks there: a parent
+         path that runs through a LoRA wrapper is resolved through the wrapper's ``base_layer``, so the alias is
+         wrapped as it was while the MoE layer stayed unwrapped (docs/upstream/lora-moe-runner-alias.md).
 Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``) until a GPU run has checked it against HF + PEFT;
          NOT_APPLICABLE without ``LoRAExpertsMixin`` (0.20) or where ``FusedMoEWithLoRA`` does not take the quant
          method's ``moe_kernel`` (checked in its source); buggy while ``Exl3MoEMethod`` gives itself no kernel.
@@ -31,12 +37,14 @@ from typing import Any
 
 from hybrid_exl3_fixes.aphrodite.lora.layers.fused_moe import exl3_moe_method_has_no_lora_kernel
 from hybrid_exl3_fixes.exl3 import moe_lora
-from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry
+from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry, Target, tag
 
 from .common import builds_after_loading
 from .p10_moe_context import MOE_LOAD
 
 LORA_WRAPPER = "aphrodite.lora.layers.fused_moe"
+REPLACE = Target("aphrodite.lora.utils", "replace_submodule", params=("model", "module_name", "new_module"))
+REPLACE_MANAGER = Target("aphrodite.lora.model_manager", "replace_submodule", binds=REPLACE.key)
 
 
 def probe_moe_expert_lora(live) -> bool:
@@ -72,7 +80,42 @@ def give_lora_kernel(method: Any, layer: Any) -> None:
         method.moe_kernel = moe_lora.make_kernel(method, layer)
 
 
-build = builds_after_loading(
+def through_lora_wrappers(model: Any, path: str) -> Any | None:
+    """The module at ``path``, stepping into a LoRA wrapper's ``base_layer`` where the wrapper lacks the next name;
+    None where no such step finds it."""
+    from aphrodite.lora.layers import BaseLayerWithLoRA
+
+    module = model
+    for name in path.split(".") if path else ():
+        found = getattr(module, name, None) if hasattr(module, name) else None
+        while found is None and isinstance(module, BaseLayerWithLoRA) and hasattr(module, "base_layer"):
+            module = module.base_layer
+            found = getattr(module, name, None) if hasattr(module, name) else None
+        if found is None:
+            return None
+        module = found
+    return module
+
+
+def build_replace_submodule(original):
+    """``replace_submodule`` that resolves a parent path through LoRA wrappers where the original cannot."""
+
+    def replace_submodule(model, module_name, new_module):
+        parent_name, _, name = module_name.rpartition(".")
+        try:
+            model.get_submodule(parent_name)
+        except AttributeError:
+            parent = through_lora_wrappers(model, parent_name)
+            if parent is None:
+                raise
+            setattr(parent, name, new_module)
+            return new_module
+        return original(model, module_name, new_module)
+
+    return tag("P13", replace_submodule, original)
+
+
+give_kernel = builds_after_loading(
     "P13",
     MOE_LOAD,
     give_lora_kernel,
@@ -80,6 +123,10 @@ build = builds_after_loading(
     "refused (P5)",
     "layer_name",
 )
+
+
+def build(live) -> dict:
+    return {**give_kernel(live), REPLACE.key: build_replace_submodule(live[REPLACE.key].function)}
 
 
 PATCH_P13 = Patch(
@@ -90,7 +137,7 @@ PATCH_P13 = Patch(
     upstream="docs/drafts/p13-moe-expert-lora.md (not reported upstream)",
     fixed_in=None,
     retire_when="an aphrodite release gives EXL3 MoE a LoRA-capable kernel and is the oldest supported one",
-    targets=(MOE_LOAD,),
+    targets=(MOE_LOAD, REPLACE, REPLACE_MANAGER),
     probe=probe_moe_expert_lora,
     build=build,
     checks_tag_after_apply=True,
