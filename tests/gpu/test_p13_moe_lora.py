@@ -54,7 +54,9 @@ def moe_layer(hidden: int, inter: int, experts: int, top_k: int, bits: int = 4, 
                 getattr(layer, f"{prefix}_{name}").exl3_tensors[(e, shard)] = tensor.cuda()
             weights.append(codec.dense_weight(tensors, bits, device="cuda"))
         dense.append(weights)
-    exl3.Exl3MoEMethod._setup_fused_moe_kernel(layer, torch.device("cuda", torch.cuda.current_device()))  # 0.24 reads its index
+    exl3.Exl3MoEMethod._setup_fused_moe_kernel(
+        layer, torch.device("cuda", torch.cuda.current_device())
+    )  # 0.24 reads its index
     return layer, dense
 
 

@@ -308,7 +308,7 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P11"].status.value == "APPLIED", results["P11"].reason
     # P12: an opt-in until measured end to end (test_p12_mid_batch.py: applied on 0.24+ when opted in)
     assert results["P12"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P12"].reason
-    # P13: an opt-in until checked on a GPU (test_p13_moe_expert_lora.py: applied on 0.21+ when opted in)
+    # P13: an experimental opt-in (test_p13_moe_expert_lora.py: applied on 0.21+ when opted in)
     assert results["P13"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P13"].reason
     applied = 7 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))

@@ -184,7 +184,8 @@ def refusal(lora_request: Any, modules: list[str], layers: int) -> str:
         "EXL3 MoE method has no LoRA kernel, so these weights cannot be applied; the adapter is refused, nothing was "
         "loaded. Adapters on the attention, GatedDeltaNet and shared-expert projections are served: train "
         "without the routed experts (leave mlp.experts out of PEFT's target_modules), or, on aphrodite 0.21+, "
-        "opt into the overlay's P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1; not yet checked on a GPU). "
+        "try the overlay's experimental P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1; not yet correct in batches that mix "
+        "requests). "
         "[hybrid-exl3-fixes P5]"
     )
 

@@ -22,7 +22,8 @@ How:     after the original ``process_weights_after_loading``, when LoRA is on (
          themselves). P13 gives ``replace_submodule`` (both binding sites) the one step it lacks there: a parent
          path that runs through a LoRA wrapper is resolved through the wrapper's ``base_layer``, so the alias is
          wrapped as it was while the MoE layer stayed unwrapped (docs/upstream/lora-moe-runner-alias.md).
-Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``) until a GPU run has checked it against HF + PEFT;
+Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``), experimental: against HF + PEFT on a GPU it is right for
+         one request at a time and wrong in batches that mix requests (docs/drafts/p13-moe-expert-lora.md);
          NOT_APPLICABLE without ``LoRAExpertsMixin`` (0.20) or where ``FusedMoEWithLoRA`` does not take the quant
          method's ``moe_kernel`` (checked in its source); buggy while ``Exl3MoEMethod`` gives itself no kernel.
 Upstream: not reported yet; the design and its sources are docs/drafts/p13-moe-expert-lora.md.
@@ -51,8 +52,9 @@ def probe_moe_expert_lora(live) -> bool:
     """True = the EXL3 MoE method has no LoRA-capable kernel and P13 is not in place."""
     if not moe_lora.enabled(os.environ):
         raise NotApplicable(
-            f"an opt-in until checked on a GPU: set {moe_lora.ENABLE_ENV}=1 to serve adapters on the routed experts "
-            "of EXL3 MoE layers (without it P5 refuses them by name)"
+            "an experimental opt-in (not yet correct in batches that mix requests): set "
+            f"{moe_lora.ENABLE_ENV}=1 to serve adapters on the routed experts of EXL3 MoE layers (without it P5 "
+            "refuses them by name)"
         )
     if moe_lora.lora_experts_mixin() is None:
         raise NotApplicable("this release has no LoRAExpertsMixin, which the MoE LoRA kernels need (0.21+)")
@@ -133,7 +135,7 @@ PATCH_P13 = Patch(
     id="P13",
     slug="exl3-moe-expert-lora",
     title="EXL3 MoE + LoRA on the routed experts: a LoRA-capable modular kernel (the decomposed expert MLP with "
-    "aphrodite's MoE-LoRA kernels), an opt-in until checked on a GPU",
+    "aphrodite's MoE-LoRA kernels), an experimental opt-in: not yet correct in batches that mix requests",
     upstream="docs/drafts/p13-moe-expert-lora.md (not reported upstream)",
     fixed_in=None,
     retire_when="an aphrodite release gives EXL3 MoE a LoRA-capable kernel and is the oldest supported one",
