@@ -209,3 +209,31 @@ def stand_in_patch(namespace: dict, name: str, **fields):
         **fields,
     )
     return patch, Owner
+
+
+def fused_moe_config(hidden=256, inter=256, experts=4, top_k=2, device="cpu", dtype=None):
+    """A real ``FusedMoEConfig`` (LoRA on, SiLU, no parallelism); the defaults are the tiny MoE's shape. The field
+    names of the running release are used (0.21 names the intermediate size ``intermediate_size_per_partition``)."""
+    import dataclasses
+
+    import torch
+    from aphrodite.model_executor.layers.fused_moe import config
+    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
+
+    values = dict(
+        num_experts=experts,
+        experts_per_token=top_k,
+        hidden_dim=hidden,
+        intermediate_size_per_partition=inter,
+        intermediate_size=inter,
+        num_local_experts=experts,
+        num_logical_experts=experts,
+        activation=MoEActivation.SILU,
+        device=device,
+        routing_method=next(iter(config.RoutingMethodType)),
+        moe_parallel_config=config.FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=dtype or torch.bfloat16,
+        is_lora_enabled=True,
+    )
+    names = {f.name for f in dataclasses.fields(config.FusedMoEConfig)}
+    return config.FusedMoEConfig(**{k: v for k, v in values.items() if k in names})

@@ -6,14 +6,13 @@ inputs, and P5 stepping aside for a layer whose quant method offers such a kerne
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import types
 
 import pytest
 import torch
 
-from helpers import APHRODITE_VERSION, needs_aphrodite
+from helpers import APHRODITE_VERSION, fused_moe_config, needs_aphrodite
 from hybrid_exl3_fixes.exl3 import moe_lora
 
 HAS_MIXIN = APHRODITE_VERSION not in (None, "0.20.0")
@@ -47,31 +46,6 @@ def test_p13_applies_where_the_lora_experts_mixin_is(overlay, monkeypatch):
         assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
 
 
-def moe_config(**over):
-    """A real FusedMoEConfig of the tiny MoE's shape (4 experts of 256, 2 active, hidden 256), LoRA on."""
-    from aphrodite.model_executor.layers.fused_moe import config
-    from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
-
-    values = dict(
-        num_experts=4,
-        experts_per_token=2,
-        hidden_dim=256,
-        intermediate_size_per_partition=256,  # 0.21's name
-        intermediate_size=256,  # 0.24's
-        num_local_experts=4,
-        num_logical_experts=4,
-        activation=MoEActivation.SILU,
-        device="cpu",
-        routing_method=next(iter(config.RoutingMethodType)),
-        moe_parallel_config=config.FusedMoEParallelConfig.make_no_parallel(),
-        in_dtype=torch.bfloat16,
-        is_lora_enabled=True,
-        **over,
-    )
-    names = {f.name for f in dataclasses.fields(config.FusedMoEConfig)}
-    return config.FusedMoEConfig(**{k: v for k, v in values.items() if k in names})
-
-
 @pytest.mark.skipif(not HAS_MIXIN, reason="0.20.0 has no LoRAExpertsMixin: P5 keeps refusing expert adapters there")
 def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
     import aphrodite.model_executor.layers.fused_moe.modular_kernel as mk
@@ -81,7 +55,7 @@ def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
 
     cls = moe_lora.experts_class()
     assert not cls.__abstractmethods__ and issubclass(cls, moe_lora.lora_experts_mixin())
-    experts = cls(object(), object(), moe_config(), FUSED_MOE_UNQUANTIZED_CONFIG)
+    experts = cls(object(), object(), fused_moe_config(), FUSED_MOE_UNQUANTIZED_CONFIG)
     kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
     # what FusedMoEWithLoRA.__init__ asks of the kernel it takes from the quant method
     assert kernel.supports_lora() and type(kernel.impl).__name__ == "FusedMoEKernelModularImpl"
