@@ -95,6 +95,10 @@ CELLS = {
     "moe-eager-bf16-lora-experts3d-p13": (True, EXPERTS_3D, ["--enforce-eager"], {P13_ON: "1"}, "serve"),
     "moe-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
     "moe35-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [*MOE35_SEQS], {P13_ON: "1"}, "serve"),
+    # the control for the P13 cells: the same adapters on the dense twin, unquantized, through aphrodite's own
+    # TritonExperts and MoE-LoRA kernels against the same HF + PEFT reference; where the P13 cells and this one
+    # differ from the reference alike, the difference is not P13's (docs/drafts/p13-moe-expert-lora.md, run 30)
+    "moe-dense-eager-bf16-lora-experts3d": (True, EXPERTS_3D, ["--enforce-eager", "--dtype", "bfloat16"], {}, "serve"),
     # the per-expert form: Qwen3.5/3.6 MoE models take the fused form (is_3d_moe_weight), so P5 refuses it naming
     # the flag that takes it on 0.24+, where it is then served (against HF with its deltas merged into the experts)
     "moe-eager-bf16-lora-experts-p13": (
@@ -198,9 +202,11 @@ def checkpoint_of(cell: str) -> str:
 
 
 def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
+    """A ``*-dense-*`` cell serves the checkpoint's dense twin (the EXL3 weights decoded, the HF reference's own
+    model) unquantized, through aphrodite's own MoE kernels; the others serve the EXL3 checkpoint."""
     lora, adapters, extra, env, _ = CELLS[cell]
     args = shared_args(SERVED) + (lora_args(folder, adapters) if lora else [])
-    return str(folder / "exl3"), args + extra, env
+    return str(folder / ("dense" if "-dense-" in cell else "exl3")), args + extra, env
 
 
 @pytest.fixture(scope="session")
