@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from .aphrodite import _custom_ops as _p14
 from .aphrodite.lora import utils as _p11
 from .aphrodite.lora.layers import base_linear as _p2b
 from .aphrodite.lora.layers import fused_moe as _p5
@@ -53,6 +54,7 @@ PATCHES: list[Patch] = [
     _p1.PATCH_P10,
     _p1.PATCH_P13,  # after P10: the LoRA kernel is given once the layer's own load has finished
     _p11.PATCH,
+    _p14.PATCH,
 ]
 REGISTRY = Registry(PATCHES)
 
