@@ -281,14 +281,14 @@ def test_every_flag_has_help():
 
 
 def test_status_lists_patches_by_number():
-    """status prints P1 .. P13 in number order, though the registry applies P8 and P12 before P4 (they wrap P3) and P9
+    """status prints P1 .. P14 in number order, though the registry applies P8 and P12 before P4 (they wrap P3) and P9
     before P7 (P7 wraps it)."""
     import hybrid_exl3_fixes as overlay
     from hybrid_exl3_fixes.cli import patch_number
 
     ids = [p.id for p in overlay.PATCHES]
     assert ids.index("P9") < ids.index("P7") and ids.index("P8") < ids.index("P4")  # the apply order
-    expected = ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13"]
+    expected = ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "P14"]
     assert sorted(ids, key=patch_number) == expected
 
 

@@ -178,6 +178,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P10", "NOT_APPLICABLE"),  # 0.20/0.21 route every warm-up row to a real expert
         ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P11", "APPLIED"),
+        ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_moe_lora_align.py)
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -226,7 +227,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
+    assert overlay.undo_all() == ["P14", "P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
         "P5",
         "P4",
         "P2b",
@@ -259,6 +260,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P10": "NOT_APPLICABLE",  # nor do they skip idle exl3_moe launches
         "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "APPLIED",
+        "P14": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -310,8 +312,10 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P12"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P12"].reason
     # P13: an experimental opt-in (test_p13_moe_expert_lora.py: applied on 0.21+ when opted in)
     assert results["P13"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P13"].reason
+    # P14: 0.22+ load the MoE kernels built from csrc/libtorch_stable, which align every active LoRA slot
+    assert results["P14"].status.value == "UPSTREAM_FIXED", results["P14"].reason
     applied = 7 + padding_ids + skips_idle
-    assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=1 drifted=0" in overlay.summary(list(results.values()))
+    assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 
@@ -365,13 +369,13 @@ def test_undo_is_last_in_first_out(overlay):
 
 
 def test_the_patches_that_check_a_tag_after_apply_say_so():
-    """P3, P8, P9 and P10 recognise themselves after apply by the tag on the replaced function (their bug is in a
-    GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
+    """P3, P8, P9, P10, P12, P13 and P14 recognise themselves after apply by the tag on the replaced function (their
+    bug is in a GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13", "P14"}
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason

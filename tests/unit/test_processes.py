@@ -83,8 +83,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P10": "NOT_APPLICABLE",
             "P13": "NOT_APPLICABLE",
             "P11": "APPLIED",
+            "P14": "APPLIED",
         }
-        applied = 7 if APHRODITE_VERSION == "0.20.0" else 8
+        applied = 8 if APHRODITE_VERSION == "0.20.0" else 9
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
         summary = f"hybrid-exl3-fixes: applied={applied} upstream_fixed={upstream_fixed} drifted=0"
         assert summary in proc.stdout + proc.stderr
@@ -101,6 +102,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P11"] == "APPLIED"  # the LoRA wrapper of an EXL3 lm_head, every release
         assert out["results"]["P12"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MID_BATCH=1)
         assert out["results"]["P13"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1)
+        assert out["results"]["P14"] == "UPSTREAM_FIXED"  # 0.22+ load the libtorch_stable MoE kernels
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -307,6 +309,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P10": "NOT_APPLICABLE",  # 0010 applies to 0.24.1, where tests/unit/test_p10_moe_context.py reads it
         "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "UPSTREAM_FIXED",
+        "P14": "APPLIED",  # 0014 is a csrc diff: the copy still loads the unpatched compiled kernels
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

@@ -51,6 +51,7 @@ RUNS_WHERE_APPLIED = {
     "test_exl3_moe_padding_ids.py": "P9",
     "test_exl3_moe_context_capture.py": "P10",
     "test_logits_processor_exl3.py": "P11",
+    "test_moe_lora_align_every_active_slot.py": "P14",
 }
 # A patch switched off (HYBRID_EXL3_FIXES_DISABLE) counts as applied here: that is a control run, in which its
 # drop-in must show the bug.
