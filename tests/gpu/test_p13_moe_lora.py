@@ -249,9 +249,9 @@ def test_the_exl3_lora_experts_answer_like_aphrodites_triton_experts(layer, slic
         shape1, shape2 = moe_lora.shape_tensors(moe, torch.bfloat16)
         for experts in (ours, theirs):
             experts.set_lora_context(ctx)
-        # aphrodite's own experts first: a fault there (run 30's harness on 0.21.0 saw an illegal memory access in
-        # the MoE-LoRA shrink kernel on TritonExperts' call, after P13's experts had made the same call) is then
-        # not one P13's call could have caused
+        # aphrodite's own experts first, so a fault there is not one P13's call could have caused; base tokens
+        # beside both slots of max_loras 2 are the batch 0.20 - 0.21's align kernel mishandles without P14
+        # (docs/upstream/moe-lora-align-grid.md)
         reference = run_experts(theirs, x, w1, w2, weights, ids)
         results[label] = (run_experts(ours, x, shape1, shape2, weights, ids), reference)
     (ours, theirs), (ours_base, theirs_base) = results["mixed"], results["no adapter"]
