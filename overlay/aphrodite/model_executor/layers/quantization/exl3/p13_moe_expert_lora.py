@@ -22,6 +22,8 @@ How:     after the original ``process_weights_after_loading``, when LoRA is on (
          themselves). P13 gives ``replace_submodule`` (both binding sites) the one step it lacks there: a parent
          path that runs through a LoRA wrapper is resolved through the wrapper's ``base_layer``, so the alias is
          wrapped as it was while the MoE layer stayed unwrapped (docs/upstream/lora-moe-runner-alias.md).
+         On 0.20 - 0.21 the MoE-LoRA align kernel every wrapped MoE layer uses skips the last adapter slot of a batch
+         with base-model tokens; P14 fixes it there (docs/upstream/moe-lora-align-grid.md).
 Probe:   an opt-in (``HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1``), experimental: against HF + PEFT on a GPU it is right for
          one request at a time and wrong in batches that mix requests (docs/drafts/p13-moe-expert-lora.md);
          NOT_APPLICABLE without ``LoRAExpertsMixin`` (0.20) or where ``FusedMoEWithLoRA`` does not take the quant
