@@ -19,10 +19,12 @@ BENCH = Path(__file__).resolve().parent
 
 
 class Exl3Worker:
-    def __init__(self, name: str, model: str, log: Path, env: dict, top: int, prompt: int, output: int):
-        self.name, self.log, self.env = name, log, env
+    def __init__(
+        self, name: str, model: str, log: Path, env: dict, top: int, prompt: int, output: int, args: list[str] = ()
+    ):
+        self.name, self.log, self.env, self.args = name, log, env, list(args)
         self.command = [sys.executable, str(BENCH / "exllamav3_generator.py"), model, "--serve"]
-        self.command += ["--concurrency", str(top), "--prompt", str(prompt), "--output", str(output)]
+        self.command += ["--concurrency", str(top), "--prompt", str(prompt), "--output", str(output), *self.args]
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue = queue.Queue()
         self.started, self.ready_s, self.ready = 0.0, None, {}
@@ -70,7 +72,8 @@ class Exl3Worker:
         return True
 
     def startup_figures(self) -> dict:
-        return {k: self.ready[k] for k in ("load_s", "warmup_s", "warmup_failed") if k in self.ready}
+        keys = ("load_s", "warmup_s", "warmup_failed", "state_dtype", "cache_tokens", "max_batch_size")
+        return {k: self.ready[k] for k in keys if k in self.ready}
 
     def warmup(self) -> dict | None:
         return self.ready.get("warmup")

@@ -31,14 +31,14 @@ def spread(stat: dict | None) -> str:
     return f"{stat['median']} ({lo}-{hi})" if lo != hi else f"{stat['median']}"
 
 
-def level_parser(doc: str, bandwidth_required: bool = True):
-    """The same-run reports' arguments: RUN.json, --inputs, --bandwidth-file (optional where ``bandwidth_required`` is
-    false: a report for a GPU kind with no measured copy bandwidth leaves its roofline out), --out, --title, --note,
-    --stem."""
+def level_parser(doc: str, bandwidth_required: bool = True, many: bool = False):
+    """The same-run reports' arguments: RUN.json (several with ``many``: the phases of one run), --inputs,
+    --bandwidth-file (optional where ``bandwidth_required`` is false: a report for a GPU kind with no measured copy
+    bandwidth leaves its roofline out), --out, --title, --note, --stem."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("run", type=Path)
+    p.add_argument("run", type=Path, nargs="+" if many else None)
     p.add_argument("--inputs", type=Path, required=True)
     p.add_argument("--bandwidth-file", type=Path, required=bandwidth_required)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

@@ -5,9 +5,12 @@
 
 A decode step at N concurrent sequences must read, at least once: every weight byte the step touches
 (all of a dense model's EXL3 tensors, norms and the head; for a MoE only the experts its N x k routes
-select, the expected number of distinct experts per layer; the embedding rows of N tokens), each
-sequence's KV cache (its full-attention layers over the current context) and GatedDeltaNet state
-(read and written: the state is updated in place every step). The roofline speed is N tokens per
+select, the expected number of distinct experts per layer; the embedding rows of N tokens; not the
+vision tower, nor the MTP head's ``mtp.*`` tensors, which a step without speculative decoding never
+reads), each sequence's KV cache (its full-attention layers over the current context) and GatedDeltaNet
+state (read and written: the state is updated in place every step), in the state dtype the engine keeps
+(``state_dtype``: aphrodite's is the config's ``mamba_ssm_dtype`` or ``--mamba-ssm-cache-dtype``,
+exllamav3's its Cache ``recurrent_dtype``, float16 by default). The roofline speed is N tokens per
 (those bytes / the copy bandwidth measured on the same GPU in the same run); a real step is slower.
 The context is the prompt plus half the output (the mean over the decode).
 """
@@ -23,14 +26,29 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 
 
-def step_bytes(shape, tensors: dict, n: int, context: int, kv_dtype: str = "auto", dtype: str = "bfloat16") -> dict:
-    """Bytes one decode step at ``n`` sequences of ``context`` tokens must read, by kind."""
+def unread(key: str) -> bool:
+    """Tensors a decode step without speculative decoding never reads: the vision tower and the MTP head."""
+    return ".visual." in key or key.startswith(("visual.", "mtp.")) or ".mtp." in key
+
+
+def step_bytes(
+    shape,
+    tensors: dict,
+    n: int,
+    context: int,
+    kv_dtype: str = "auto",
+    dtype: str = "bfloat16",
+    state_dtype: str | None = None,
+) -> dict:
+    """Bytes one decode step at ``n`` sequences of ``context`` tokens must read, by kind; ``state_dtype`` the GDN
+    recurrent state's storage where the engine's differs from the config's (``shape.ssm_dtype``)."""
+    import dataclasses
+
     from hybrid_exl3_fixes.doctor import kv_bytes_per_token, state_bytes_per_sequence
 
-    embed = sum(t["bytes"] for k, t in tensors.items() if "embed_tokens" in k)
-    vision = sum(t["bytes"] for k, t in tensors.items() if ".visual." in k or k.startswith("visual."))
-    experts = sum(t["bytes"] for k, t in tensors.items() if ".mlp.experts." in k)
-    rest = sum(t["bytes"] for t in tensors.values()) - embed - vision - experts
+    embed = sum(t["bytes"] for k, t in tensors.items() if "embed_tokens" in k and not unread(k))
+    experts = sum(t["bytes"] for k, t in tensors.items() if ".mlp.experts." in k and not unread(k))
+    rest = sum(t["bytes"] for k, t in tensors.items() if not unread(k)) - embed - experts
     expert_bytes = 0
     if experts and shape.moe and shape.moe.get("experts"):
         e, k = shape.moe["experts"], shape.moe["per_token"]
@@ -38,6 +56,8 @@ def step_bytes(shape, tensors: dict, n: int, context: int, kv_dtype: str = "auto
         expert_bytes = experts * distinct / e
     vocab = shape.vocab or 1
     kv_tok, _ = kv_bytes_per_token(shape, kv_dtype)
+    if state_dtype:
+        shape = dataclasses.replace(shape, ssm_dtype=state_dtype)
     recurrent, conv, _ = state_bytes_per_sequence(shape, dtype)
     parts = {
         "weights": rest + expert_bytes + embed * min(n, vocab) / vocab,
@@ -48,11 +68,19 @@ def step_bytes(shape, tensors: dict, n: int, context: int, kv_dtype: str = "auto
     return parts
 
 
-def roofline(shape, tensors: dict, bandwidth_gbps: float, concurrency: list[int], prompt: int, output: int) -> list:
+def roofline(
+    shape,
+    tensors: dict,
+    bandwidth_gbps: float,
+    concurrency: list[int],
+    prompt: int,
+    output: int,
+    state_dtype: str | None = None,
+) -> list:
     context = prompt + output // 2
     rows = []
     for n in concurrency:
-        b = step_bytes(shape, tensors, n, context)
+        b = step_bytes(shape, tensors, n, context, state_dtype=state_dtype)
         step_s = b["total"] / (bandwidth_gbps * GB)
         rows.append(
             {
@@ -61,6 +89,7 @@ def roofline(shape, tensors: dict, bandwidth_gbps: float, concurrency: list[int]
                 "weight_gb": round(b["weights"] / GB, 3),
                 "kv_gb": round(b["kv"] / GB, 3),
                 "state_gb": round(b["state"] / GB, 3),
+                "state_dtype": state_dtype or shape.ssm_dtype or "bfloat16",
                 "step_ms": round(step_s * 1e3, 3),
                 "roofline_tok_s": round(n / step_s, 1),
                 "roofline_tok_s_per_request": round(1 / step_s, 1),

@@ -1,25 +1,30 @@
 """Several engine configurations on one checkpoint, measured in one run, alternated level by level.
 
     python3 bench/same_run.py MODEL_DIR --out FILE.json --variant NAME="ENGINE ARGS" --variant ... \
-        [--exllamav3 NAME] [--variant-env NAME="KEY=VALUE ..."] [--start-after NAME=FILE] \
-        [--concurrency 1,32,64,128] [--repeats 3] [--prompt 512 --output 256] [--deadline SECONDS]
+        [--exllamav3 NAME[="GENERATOR ARGS"]] [--variant-env NAME="KEY=VALUE ..."] [--start-after NAME=FILE] \
+        [--concurrency 1,8,16,32,64] [--repeats 5] [--prompt 512 --output 256] [--deadline SECONDS] \
+        [--bandwidth-file BANDWIDTH.json] [--watch-dir DIR]... [--no-pause]
 
 Every ``--variant`` is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
 its own arguments, in the environment ``--variant-env`` gives it (another release's PYTHONPATH and PATH, an overlay
-switch), and every ``--exllamav3`` variant exllamav3's generator on the same checkpoint (bench/exl3_worker.py:
-loaded, warmed up with Model.warmup and the largest batch, then asked one level at a time); all start at once (one
-named in ``--start-after NAME=FILE`` once FILE exists: exllamav3 while its extension still builds), so each must
-pin its KV pool (``--kv-cache-memory-bytes``) and ask for a small ``--gpu-memory-utilization``. Once all
-have answered one warm-up request (and one warm-up level at the largest concurrency, so that no variant meets a
-first-use cost inside a measured level) and every ``--hold-until`` file exists (other work sharing the GPU has
-ended: the wait is kept as ``held_s``), every level is run ``--repeats`` times, the variants alternated (repeat 0:
-A, B; repeat 1: B, A; ...), with nothing else sent to the GPU meanwhile; every level and repeat sends its own
-prompts (``level_seed``: the same for every variant, so that no level is answered from a prefix cache the previous
-one filled). One formula for every variant (serving_http.level; exllamav3_generator.run_level times its tokens the
-same way): decode tok/s = completed requests x (output - 1) / (last token of any request - first token of any
-request); per-request tok/s = mean over requests of (output - 1) / (its last token - its first token). The JSON
-keeps every repeat, the median and the spread (min, max) per variant and level, and each variant's start-up figures
-(KV tokens, concurrency, block size as the engine logged them). Results are written after every level.
+switch), and every ``--exllamav3`` variant exllamav3's generator on the same checkpoint (bench/exl3_worker.py, with
+its own arguments: ``--state-dtype float32``); all start at once (one named in ``--start-after NAME=FILE`` once FILE
+exists: exllamav3 while its extension still builds), so each aphrodite variant must pin its KV pool
+(``--kv-cache-memory-bytes``) and ask for a small ``--gpu-memory-utilization``.
+
+Once all have started, every variant runs each of its levels once, unmeasured, with the measured prompt and output
+lengths (``warmup_seed``: every batch shape and sampler path is met before it is measured); once every
+``--hold-until`` file exists (other work sharing the GPU has ended: the wait is kept as ``held_s``), every level is
+run ``--repeats`` times, the variants alternated (repeat 0: A, B; repeat 1: B, A; ...), the repeats outermost (a
+run cut at its deadline keeps whole repeats). While one variant is measured, every other is stopped (SIGSTOP of its
+process tree, bench/pause.py; ``--no-pause`` leaves them running), so that no idle engine takes host or GPU time;
+every level and repeat sends its own prompts (``level_seed``: the same for every variant). One formula for every
+variant: bench/level_figures.py. A level is reported only when bench/level_checks.py finds nothing against it (all
+N requests streaming at once, one chunk a token, no preemption, nothing compiled inside its window); otherwise its
+row keeps the reasons under ``refused`` and the summary leaves it out. The JSON keeps every repeat, the median and
+the spread (min, max) of the reported ones per variant and level, each variant's start-up figures (KV tokens,
+concurrency, block size as the engine logged them) and its GDN state dtype, the copy bandwidth measured before the
+engines started (``--bandwidth-file``) and every compile found. Results are written after every level.
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_http import ROOT, level, level_seed, prompts  # noqa: E402
+import level_checks  # noqa: E402
+import pause  # noqa: E402
+from level_figures import FORMULA, level_seed, prompts, warmup_seed  # noqa: E402
+from serving_http import ROOT, level  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 METRICS = ("decode_tok_s", "per_request_tok_s", "ttft_mean_s")
+SSM_FLAG = "--mamba-ssm-cache-dtype"
 
 
 def variant(text: str) -> tuple[str, list[str]]:
@@ -57,6 +66,27 @@ def request_model(name: str, args: list[str]) -> str:
     if "--lora-modules" in args and args.index("--lora-modules") + 1 < len(args):
         return args[args.index("--lora-modules") + 1].split("=")[0]
     return name
+
+
+def exllamav3_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME`` or ``NAME=GENERATOR ARGS`` (bench/exllamav3_generator.py's own flags, ``--state-dtype float32``)."""
+    name, _, args = text.partition("=")
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f'--exllamav3 takes NAME or NAME="GENERATOR ARGS", got {text!r}')
+    return name.strip(), shlex.split(args)
+
+
+def state_dtype(args: list[str], config: dict, exllamav3: bool) -> str:
+    """The GDN recurrent state's dtype a variant serves: exllamav3's ``--state-dtype`` (its default float16);
+    aphrodite's ``--mamba-ssm-cache-dtype``, else the config's ``mamba_ssm_dtype``, else the model's dtype
+    (models/config.py Qwen3_5ForConditionalGenerationConfig)."""
+    flag = "--state-dtype" if exllamav3 else SSM_FLAG
+    if flag in args[:-1]:
+        return args[args.index(flag) + 1]
+    if exllamav3:
+        return "float16"
+    text = config.get("text_config", config)
+    return text.get("mamba_ssm_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
 
 
 def variant_env(text: str) -> tuple[str, dict]:
@@ -112,12 +142,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--variant", type=variant, action="append", required=True, help='NAME="ENGINE ARGS"')
+    p.add_argument("--variant", type=variant, action="append", default=[], help='NAME="ENGINE ARGS"')
     p.add_argument(
         "--exllamav3",
+        type=exllamav3_variant,
         action="append",
         default=[],
-        metavar="NAME",
+        metavar='NAME[="GENERATOR ARGS"]',
         help="one more variant: exllamav3's generator on the same checkpoint (bench/exl3_worker.py)",
     )
     p.add_argument(
@@ -148,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
         help="the levels variant NAME runs (a subset of --concurrency; default all): its warm-up and exllamav3's "
         "batch size follow its largest",
     )
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--port", type=int, default=8400)
@@ -162,15 +193,35 @@ def parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="after the warm-up, measure nothing until FILE exists (or the deadline passes)",
     )
+    p.add_argument(
+        "--bandwidth-file",
+        type=Path,
+        help="bench/roofline.py --measure's JSON, measured on this GPU before the engines started: kept in the "
+        "results for the roofline",
+    )
+    p.add_argument(
+        "--watch-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a compile cache (Triton, Inductor, FlashInfer, torch.compile): a file appearing in it inside a "
+        "measured level's window refuses that level",
+    )
+    p.add_argument("--no-pause", action="store_true", help="leave the variants not being measured running (no SIGSTOP)")
     return p
 
 
 def summarise(rows: list[dict]) -> dict:
+    """Median and spread of the reported rows; ``refused``: how many rows were left out, and why (the first)."""
+    kept = [r for r in rows if not r.get("refused")]
     out = {}
     for m in METRICS:
-        values = [r[m] for r in rows if r.get(m) is not None]
+        values = [r[m] for r in kept if r.get(m) is not None]
         if values:
             out[m] = {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
+    if len(kept) < len(rows):
+        out["refused"] = {"rows": len(rows) - len(kept), "first": next(r["refused"] for r in rows if r.get("refused"))}
     return out
 
 
@@ -178,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
         parser().error(f"{args.model_dir} has no config.json")
-    names = [n for n, _ in args.variant] + args.exllamav3
+    names = [n for n, _ in args.variant] + [n for n, _ in args.exllamav3]
+    if not names:
+        parser().error("give at least one --variant or --exllamav3")
     if len(set(names)) != len(names):
         parser().error(f"variant names repeat: {names}")
     envs, holds, own = dict(args.variant_env), dict(args.start_after), dict(args.levels)
@@ -192,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, subset in own.items():
         if set(subset) - set(levels):
             parser().error(f"--levels {name}: {sorted(set(subset) - set(levels))} not in --concurrency")
+    bandwidth = None
+    if args.bandwidth_file:
+        try:
+            bandwidth = json.loads(args.bandwidth_file.read_text())
+            float(bandwidth["copy_bandwidth_gbps"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser().error(f"--bandwidth-file {args.bandwidth_file}: not roofline.py --measure's JSON ({e})")
 
     def levels_of(name: str) -> list[int]:
         return own.get(name, levels)
@@ -200,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from server import Server
 
-    vocab = json.loads((args.model_dir / "config.json").read_text()).get("text_config", {}).get("vocab_size", 32000)
+    config = json.loads((args.model_dir / "config.json").read_text())
+    vocab = config.get("text_config", {}).get("vocab_size", 32000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     servers = {}
@@ -215,23 +276,32 @@ def main(argv: list[str] | None = None) -> int:
             found = shutil.which("aphrodite", path=env["PATH"].split(os.pathsep)[0])
             exe = [found] if found else [sys.executable, "-m", "aphrodite.entrypoints.cli.main"]
         servers[name] = Server(name, str(args.model_dir), engine, args.port + i, log, env=env, exe=exe)
-    for name in args.exllamav3:
+    for name, extra in args.exllamav3:
         log = args.out.with_name(f"{args.out.stem}-{name}.log")
+        top = max(levels_of(name))
         servers[name] = Exl3Worker(
-            name, str(args.model_dir), log, envs.get(name, {}), max(levels_of(name)), args.prompt, args.output
+            name, str(args.model_dir), log, envs.get(name, {}), top, args.prompt, args.output, extra
         )
+    is_x3 = {n: isinstance(s, Exl3Worker) for n, s in servers.items()}
     cancel = threading.Event()
     waiting = {n: held_start(servers[n], holds[n], t0 + args.start_timeout, cancel) for n in servers if n in holds}
     for name in servers:
         if name not in waiting:
             servers[name].start()
-    out = {"model": str(args.model_dir), "formula": __doc__.split("One formula")[1].split("The JSON")[0].strip()}
+    out = {"model": str(args.model_dir), "formula": FORMULA, "checks": level_checks.__doc__.strip()}
     out["prompts"] = "seeded by level_seed(concurrency, repeat): fresh per level and repeat, shared by variants"
-    out["variants"] = {n: {"command": s.command} for n, s in servers.items()}
+    out["variants"] = {
+        n: {"command": s.command, "state_dtype": state_dtype(getattr(s, "args", []), config, is_x3[n])}
+        for n, s in servers.items()
+    }
     out["levels"], out["repeats"], out["runs"] = levels, args.repeats, []
-    out["prompt"], out["output"] = args.prompt, args.output
+    out["prompt"], out["output"], out["pause_idle"] = args.prompt, args.output, not args.no_pause
+    if bandwidth:
+        out["bandwidth"] = bandwidth
     if own:
         out["variant_levels"] = {n: levels_of(n) for n in servers}
+    stopped: set[str] = set()  # variants whose process tree is SIGSTOPped now
+    preempted: dict[str, tuple[float | None, dict]] = {}  # variant -> (its counter before its last level, that row)
 
     def save() -> None:
         out["summary"] = {
@@ -243,8 +313,41 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.write_text(json.dumps(out, indent=2))
 
-    def measure(server, n: int, seed: int) -> dict:
-        if isinstance(server, Exl3Worker):  # the same prompts: the worker draws prompts(n, prompt, vocab, seed)
+    def focus(name: str, live: list[str]) -> list[str]:
+        """Stop every live variant but ``name``, resume ``name``: the variants stopped while it runs."""
+        if args.no_pause:
+            return []
+        for other in live:
+            if other != name and other not in stopped and servers[other].proc is not None:
+                pause.stop(servers[other].proc.pid)
+                stopped.add(other)
+        if name in stopped:
+            pause.resume(servers[name].proc.pid)
+            stopped.discard(name)
+            if not is_x3[name]:  # back to serving before it is measured
+                deadline = time.monotonic() + 60
+                while not servers[name].healthy() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+        return sorted(stopped)
+
+    def read_preemptions(name: str) -> float | None:
+        """aphrodite's preemption counter now; its rise since the variant's last level goes to that level's row."""
+        if is_x3[name]:
+            return None
+        import httpx
+
+        try:
+            now = level_checks.preemptions(httpx.get(servers[name].url + "/metrics", timeout=10).text)
+        except httpx.HTTPError:
+            now = None
+        before, last = preempted.get(name, (None, None))
+        if last is not None and now is not None and before is not None:
+            last["preemptions"] = now - before
+        return now
+
+    def measure(name: str, n: int, seed: int) -> dict:
+        server = servers[name]
+        if is_x3[name]:  # the same prompts: the worker draws prompts(n, prompt, vocab, seed)
             return server.level(n, seed, args.output)
         model = request_model(server.name, server.args)
         return asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab, seed=seed), args.output))
@@ -252,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return max(1.0, args.start_timeout - (time.monotonic() - t0))
 
+    measured_from = None
     try:
         for name, server in servers.items():
             if name in waiting:  # its start waited for a file: started, or left out with the file's text
@@ -270,20 +374,24 @@ def main(argv: list[str] | None = None) -> int:
                 out["variants"][name]["error"] = server.root_error()[:800] or "did not start"
         live = [n for n in servers if out["variants"][n]["started"]]
         save()
-        for name in live:  # warm-up: one request, then the largest level once (the exllamav3 worker's own, at start)
-            if isinstance(servers[name], Exl3Worker):
-                out["variants"][name]["warmup"] = servers[name].warmup()
-                continue
-            url = servers[name].url
-            model = request_model(name, servers[name].args)
-            out["variants"][name]["warmup"] = asyncio.run(
-                level(url, model, prompts(1, args.prompt, vocab, seed=99), 16)
-            )
-            asyncio.run(level(url, model, prompts(max(levels_of(name)), args.prompt, vocab, seed=98), 16))
+        for name in live:  # every measured shape once, unmeasured, with the measured lengths
+            focus(name, live)
+            v = out["variants"][name]
+            if is_x3[name]:
+                v["warmup"] = servers[name].warmup()
+            else:
+                model = request_model(name, servers[name].args)
+                v["warmup"] = asyncio.run(level(servers[name].url, model, prompts(1, args.prompt, vocab, 99), 16))
+            v["warmup_levels"] = []
+            for n in levels_of(name):
+                row = measure(name, n, warmup_seed(n))
+                v["warmup_levels"].append({k: row.get(k) for k in ("concurrency", "completed", "active", "wall_s")})
+            save()
         held = time.monotonic()
         while any(not f.exists() for f in args.hold_until) and time.monotonic() - t0 < args.deadline:
             time.sleep(2)
         out["held_s"] = round(time.monotonic() - held, 1)
+        measured_from = time.time()
         for rep in range(args.repeats):
             order = live if rep % 2 == 0 else live[::-1]
             for n in levels:
@@ -293,14 +401,30 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() - t0 > args.deadline:
                         out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name}
                         return 0
-                    row = measure(servers[name], n, level_seed(n, rep))
-                    out["runs"].append({"variant": name, "repeat": rep, **row})
+                    paused = focus(name, live)
+                    before = read_preemptions(name)
+                    row = {"variant": name, "repeat": rep, **measure(name, n, level_seed(n, rep)), "paused": paused}
+                    preempted[name] = (before, row)
+                    out["runs"].append(row)
                     save()
-                    print(json.dumps(out["runs"][-1]), flush=True)
+                    print(json.dumps(row), flush=True)
     finally:
         cancel.set()
         for thread, _ in waiting.values():
             thread.join(10)
+        for name in sorted(stopped):  # a stopped process acts on no signal: resume before stopping for good
+            pause.resume(servers[name].proc.pid)
+        stopped.clear()
+        if measured_from is not None:
+            time.sleep(2)  # the counters lag the last response by a moment
+            for name in preempted:
+                read_preemptions(name)
+            logs = {n: s.log.read_text(errors="replace") for n, s in servers.items() if not is_x3[n] and s.log.exists()}
+            files = level_checks.new_files(args.watch_dir, measured_from)
+            out["compiles"] = level_checks.attribute_compiles(out["runs"], files, logs)
+            out["compile_check"] = {"watched": [str(d) for d in args.watch_dir], "jit_monitor_logs": sorted(logs)}
+            for row in out["runs"]:
+                row["refused"] = level_checks.refusals(row, args.output, is_x3[row["variant"]])
         for server in servers.values():
             server.stop()
         save()

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(ROOT / "bench"))
-from exllamav3_generator import level_seed, prompts  # noqa: E402  (one prompt source for every driver)
+from level_figures import figures, level_seed, prompts  # noqa: E402  (one prompt source and formula)
 
 
 async def one(api, model: str, ids: list[int], output: int) -> dict:
@@ -60,32 +59,30 @@ async def one(api, model: str, ids: list[int], output: int) -> dict:
 
 
 async def level(url: str, model: str, ids: list[list[int]], output: int) -> dict:
+    """One level: every prompt sent at once, streamed; level_figures.figures by the one formula, and beside them
+    what bench/same_run.py checks before it reports the level: each request's streamed chunk count (one token a
+    chunk: ``chunks_min`` == ``chunks_max`` == output, or the per-token times are not the tokens'), the largest
+    number streaming at once (``active``), and the level's wall-clock window (``t_start``, ``t_end``: epoch
+    seconds, for matching the engine log's compile warnings)."""
     import openai
 
     api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     try:
+        t_start = time.time()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(api, model, p, output) for p in ids), return_exceptions=True)
         wall = time.perf_counter() - t0
+        t_end = time.time()
     finally:
         await api.close()
     ok = [r for r in results if isinstance(r, dict) and r["first"] is not None]
     failed = [repr(r)[:200] for r in results if not isinstance(r, dict)]
-    ttft = [r["first"] - r["start"] for r in ok]
-    decode = [(output - 1) / (r["last"] - r["first"]) for r in ok if r["last"] > r["first"]]
-    span = (max(r["last"] for r in ok) - min(r["first"] for r in ok)) if ok else 0
-    return {
-        "concurrency": len(ids),
-        "completed": len(ok),
-        "failed": len(failed),
-        "first_failure": failed[:1],
-        "wall_s": round(wall, 3),
-        "throughput_tok_s": round(len(ok) * output / wall, 1) if wall else None,
-        "decode_tok_s": round(len(ok) * (output - 1) / span, 1) if span else None,
-        "per_request_tok_s": round(statistics.mean(decode), 1) if decode else None,
-        "ttft_mean_s": round(statistics.mean(ttft), 3) if ttft else None,
-        "ttft_max_s": round(max(ttft), 3) if ttft else None,
-    }
+    row = figures(len(ids), output, [r["first"] - r["start"] for r in ok], [(r["first"], r["last"]) for r in ok], wall)
+    row["first_failure"] = failed[:1]
+    chunks = [r["chunks"] for r in ok]
+    row.update(chunks_min=min(chunks, default=0), chunks_max=max(chunks, default=0))
+    row.update(t_start=round(t_start, 3), t_end=round(t_end, 3))
+    return row
 
 
 def parser() -> argparse.ArgumentParser:

@@ -80,9 +80,18 @@ def test_levels_against_exllamav3_the_adapter_against_its_base_and_the_moe_roofl
     assert 1.2 < one < 1.6 and 3.4 < eight < 4.2
     r = rows["aphrodite-0.24", 8]
     assert float(r["of_roofline"]) == round(float(r["per_request"]) / float(r["roofline_per_request"]), 3) < 1
-    assert "| aphrodite-0.21 | aphrodite run | did not start | - | - | - | - | RuntimeError: out of / memory |" in md
-    assert "| exllamav3 | exllamav3 generator | 80.0 | - | - | - | - | load 30.0 s, warm-up 12.0 s |" in md
-    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |" in md
+    assert (
+        "| aphrodite-0.21 | aphrodite run | - | 1 | did not start | - | - | - | - | RuntimeError: out of / memory |"
+        in md
+    )
+    assert (
+        "| exllamav3 | exllamav3 generator | float16 | 1 | 80.0 | - | - | - | - | load 30.0 s, warm-up 12.0 s |" in md
+    )
+    # no exllamav3 variant keeps a float32 state here: the ratio is to the one there is, and says so
+    assert (
+        "| aphrodite-0.24 | float32 | 1 | 3 | 133.33 (130.66-134.66) | - | 133.33 (130.66-134.66) | 0.05 | - | "
+        "0.75 (state differs) |" in md
+    )
 
 
 def test_a_run_without_exllamav3_has_no_ratio_column_and_its_rows_keep_their_cells(tmp_path):
@@ -91,11 +100,13 @@ def test_a_run_without_exllamav3_has_no_ratio_column_and_its_rows_keep_their_cel
         del run[part]["exllamav3"]
     run["runs"] = [r for r in run["runs"] if r["variant"] != "exllamav3"]
     _, md = report(tmp_path, run)
-    head = next(line for line in md.splitlines() if line.startswith("| variant | N |"))
-    assert "exllamav3" not in head and head.count("|") == 9
-    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | " in md
+    head = next(line for line in md.splitlines() if line.startswith("| variant | state | N |"))
+    assert "exllamav3" not in head and head.count("|") == 12
+    assert (
+        "| aphrodite-0.24 | float32 | 1 | 3 | 133.33 (130.66-134.66) | - | 133.33 (130.66-134.66) | 0.05 | - | " in md
+    )
     rows = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24")]
-    assert rows and all(line.count("|") == 9 for line in rows if "aphrodite run" not in line)
+    assert rows and all(line.count("|") == 12 for line in rows if "aphrodite run" not in line)
     assert "- N = 8: per-request 0.800" in md  # the adapter against its base stays
 
 
@@ -103,10 +114,13 @@ def test_without_a_bandwidth_file_the_report_has_no_roofline_rather_than_another
     rows, md = report(tmp_path, fake_run(), bandwidth=None)
     assert len(rows) == 6 and "of_roofline" not in rows["aphrodite-0.24", 1]
     assert "Roofline: none (no copy bandwidth measured on this GPU kind)." in md
-    head = next(line for line in md.splitlines() if line.startswith("| variant | N |"))
-    assert "roofline" not in head and head.count("|") == 8
-    table = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24 | 1 |")]
-    assert table == ["| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 |"]
+    head = next(line for line in md.splitlines() if line.startswith("| variant | state | N |"))
+    assert "roofline" not in head and head.count("|") == 11
+    table = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24 | float32 | 1 |")]
+    assert table == [
+        "| aphrodite-0.24 | float32 | 1 | 3 | 133.33 (130.66-134.66) | - | 133.33 (130.66-134.66) | 0.05 | - | "
+        "0.75 (state differs) |"
+    ]
     assert "- N = 1: per-request 0.800, decode 0.800; a request's time per token +1.87 ms" in md
     assert "weights GB/step" not in md
 
@@ -152,7 +166,10 @@ def test_ratios_carry_the_spread_of_the_repeats_and_a_nop8_variant_gives_p8s_bef
     rows, md = report(tmp_path, run)
     r = rows["aphrodite-0.24", 1]
     assert (float(r["over_exllamav3_min"]), float(r["over_exllamav3_max"])) == (0.7, 0.8)
-    assert "| aphrodite-0.24 | 1 | 3 | 133.33 (130.66-134.66) | 133.33 (130.66-134.66) | 0.05 | 0.75 (0.7-0.8) |" in md
+    assert (
+        "| aphrodite-0.24 | float32 | 1 | 3 | 133.33 (130.66-134.66) | 140.0 / 150.0 / 160.0 | 133.33 (130.66-134.66) "
+        "| 0.05 | - | 0.75 (0.7-0.8) (state differs) |" in md
+    )
     assert "aphrodite-0.24 / aphrodite-0.24-nop8 (medians; P8 on over P8 off" in md
     # 1000/133.33 - 1000/(133.33/1.05): P8 on saves 0.38 ms a token (medians rounded to 2 decimals)
     assert (
@@ -180,3 +197,135 @@ def test_the_expert_adapter_pairs_with_its_base_and_with_the_adapter_without_exp
         ("a-0.24-lora-experts", "a-0.24"),
         ("a-0.24-lora-experts", "a-0.24-lora"),
     }
+
+
+RUN25 = ROOT / "docs" / "gpu-runs" / "2026-12-05-run25" / "inputs-qwen3.6-27b-full-3bit-exl3.json.xz"
+MODEL27 = "/tmp/hxf-models/qwen3.6-27b-full/exl3"
+
+
+def phase(speeds: dict, states: dict, *, refused: dict | None = None) -> dict:
+    """One same_run.py JSON (fake figures): ``speeds`` variant -> {N: [per-request tok/s of each repeat]}, every
+    repeat streaming all N at once unless ``refused`` names (variant, N, repeat) -> reasons."""
+    import statistics
+
+    runs, summary, variants = [], {}, {}
+    for name, levels in speeds.items():
+        x3 = name.startswith("exllamav3")
+        cmd = [sys.executable, "bench/exllamav3_generator.py" if x3 else "aphrodite", MODEL27]
+        variants[name] = {"command": cmd, "started": True, "ready_s": 100.0, "state_dtype": states[name]}
+        summary[name] = {}
+        for n, each in levels.items():
+            rows = []
+            for k, v in enumerate(each):
+                why = (refused or {}).get((name, n, k), [])
+                row = {"variant": name, "repeat": k, "concurrency": n, "per_request_tok_s": v, "decode_tok_s": v * n}
+                row.update(ttft_mean_s=0.1, active=n, refused=why, **({"active_jobs": n} if x3 else {}))
+                rows.append(row)
+            runs += rows
+            kept = [r["per_request_tok_s"] for r in rows if not r["refused"]]
+            summary[name][str(n)] = {
+                "per_request_tok_s": {"median": statistics.median(kept), "min": min(kept), "max": max(kept)},
+                "decode_tok_s": {"median": statistics.median(kept) * n, "min": min(kept) * n, "max": max(kept) * n},
+                "ttft_mean_s": {"median": 0.1, "min": 0.1, "max": 0.1},
+                **({"refused": {"rows": len(rows) - len(kept)}} if len(kept) < len(rows) else {}),
+            }
+    return {
+        "model": MODEL27,
+        "formula": "one formula",
+        "prompt": 128,
+        "output": 64,
+        "variants": variants,
+        "runs": runs,
+        "summary": summary,
+        "bandwidth": {"copy_bandwidth_gbps": 3000.0},
+        "pause_idle": True,
+        "compile_check": {"watched": ["/tmp/hxf-triton-0.24"], "jit_monitor_logs": list(speeds)},
+        "compiles": [{"what": "/tmp/hxf-triton-0.24/x.json", "when": 1.0, "level": None}],
+    }
+
+
+def two_phases(tmp_path, refused=None):
+    """The float32-state pair in one phase, the 2-byte pair in another, as an 80 GB card runs them."""
+    a = phase(
+        {
+            "aphrodite-0.24": {1: [52.0, 52.5, 53.0, 52.2, 52.4], 8: [48.0] * 5},
+            "exllamav3-fp32": {1: [50.0, 50.0, 52.0, 51.0, 50.0], 8: [30.0, 31.0, 29.0, 30.0, 30.0]},
+        },
+        {"aphrodite-0.24": "float32", "exllamav3-fp32": "float32"},
+        refused=refused,
+    )
+    b = phase(
+        {"aphrodite-0.24-bf16state": {1: [54.0] * 5, 8: [50.0] * 5}, "exllamav3": {1: [52.0] * 5, 8: [32.0] * 5}},
+        {"aphrodite-0.24-bf16state": "bfloat16", "exllamav3": "float16"},
+    )
+    files = []
+    for i, run in enumerate((a, b), 1):
+        files.append(tmp_path / f"phase{i}.json")
+        files[-1].write_text(json.dumps(run))
+    out = tmp_path / "out"
+    argv = [*map(str, files), "--inputs", str(RUN25), "--out", str(out), "--stem", "sound"]
+    assert compare_report.main(argv) == 0
+    rows = {(r["variant"], int(r["concurrency"])): r for r in csv.DictReader(open(out / "sound.csv"))}
+    return rows, (out / "sound.md").read_text()
+
+
+def test_each_variant_is_divided_by_the_exllamav3_of_its_phase_with_as_many_state_bytes(tmp_path):
+    rows, md = two_phases(tmp_path)
+    r = rows["aphrodite-0.24", 1]
+    assert r["exllamav3"] == "exllamav3-fp32" and r["exllamav3_same_state"] == "True"
+    assert float(r["over_exllamav3"]) == round(52.4 / 50.0, 3)
+    # repeat by repeat, within the phase: 52.0/50, 52.5/50, 53/52, 52.2/51, 52.4/50
+    assert (float(r["over_exllamav3_min"]), float(r["over_exllamav3_max"])) == (1.019, 1.05)
+    b = rows["aphrodite-0.24-bf16state", 8]
+    assert b["exllamav3"] == "exllamav3" and float(b["over_exllamav3"]) == round(50 / 32, 3)
+    assert "| aphrodite-0.24 | float32 | 1 | 5 | 52.4 (52.0-53.0) | 52.0 / 52.5 / 53.0 / 52.2 / 52.4 |" in md
+    assert "| 1/1 | 1.048 (1.019-1.05) |" in md and "(state differs)" not in md
+    assert "- aphrodite-0.24 / exllamav3-fp32, N = 1, at least 1.1x per request: 1.048 at 1 (not met)" in md
+    assert "- aphrodite-0.24-bf16state / exllamav3, N = 8-64, at least 1.5x per request: 1.562 at 8 (met)" in md
+
+
+def test_each_engine_has_the_roofline_of_its_own_state_and_the_runs_own_bandwidth(tmp_path):
+    rows, md = two_phases(tmp_path)
+    fp32, fp16 = rows["exllamav3-fp32", 8], rows["exllamav3", 8]
+    assert float(fp32["state_gb"]) > 1.9 * float(fp16["state_gb"]) and fp32["weight_gb"] == fp16["weight_gb"]
+    assert float(fp32["roofline_per_request"]) < float(fp16["roofline_per_request"])
+    assert rows["aphrodite-0.24-bf16state", 8]["state_gb"] == fp16["state_gb"]  # 2 bytes a value both
+    assert "3000.0 GB/s, measured on the run's GPU before its engines started" in md
+    # the MTP head is out of the weights: the whole checkpoint less the embedding table, head and all
+    assert float(rows["exllamav3", 1]["weight_gb"]) < 10.2
+    assert "| float16 | 8 |" in md and "| float32 | 8 |" in md and "| bfloat16 | 8 |" in md
+
+
+def test_refused_repeats_are_out_of_every_figure_and_listed_with_their_reason(tmp_path):
+    why = {("exllamav3-fp32", 8, 2): ["at most 6 of 8 requests streamed at once"]}
+    rows, md = two_phases(tmp_path, refused=why)
+    x3 = rows["exllamav3-fp32", 8]
+    assert x3["repeats"] == "4" and x3["refused"] == "1" and x3["each_repeat"] == "30.0 / 31.0 / 30.0 / 30.0"
+    # aphrodite's repeat 2 has no partner: 4 ratios, not 5
+    assert (float(rows["aphrodite-0.24", 8]["over_exllamav3_min"]), len(x3["each_repeat"].split(" / "))) == (1.548, 4)
+    assert "- exllamav3-fp32 N = 8 repeat 2: at most 6 of 8 requests streamed at once" in md
+    assert "| 8/8, 1 refused |" in md
+    assert "SIGSTOP" in md and "none inside a level, 2 between levels" in md  # one a phase
+
+
+def test_variants_of_different_phases_are_never_divided_by_each_other(tmp_path):
+    rows, _ = two_phases(tmp_path)
+    assert rows["aphrodite-0.24", 8]["exllamav3"] == "exllamav3-fp32"
+    run = compare_report.merge(
+        [{"variants": {"a-lora": {}}, "summary": {}}, {"variants": {"a": {}}, "summary": {}}], ["1", "2"]
+    )
+    assert compare_report.pairs(run) == []  # the adapter and its base ran in different phases
+
+
+def test_a_variant_name_in_two_phases_is_refused(tmp_path):
+    one = phase({"a": {1: [1.0]}}, {"a": "float32"})
+    for name in ("p1.json", "p2.json"):
+        (tmp_path / name).write_text(json.dumps(one))
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "compare_report.py"),
+        str(tmp_path / "p1.json"),
+        str(tmp_path / "p2.json"),
+    ]
+    r = subprocess.run([*cmd, "--inputs", str(RUN25), "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and "variant a is in two runs" in r.stderr and "Traceback" not in r.stderr

@@ -19,33 +19,61 @@ import serving_http  # noqa: E402
 
 STREAMING_APHRODITE = textwrap.dedent('''\
     #!{python}
-    """Stand-in for `aphrodite run MODEL --port P ...`: /health, and /v1/completions streaming max_tokens
-    one-character chunks, 2 ms apart, for the model names it was started with."""
-    import http.server, json, os, socketserver, sys, time
+    """Stand-in for `aphrodite run MODEL --port P ...`: /health, /metrics and /v1/completions streaming max_tokens
+    one-character chunks, 2 ms apart, for the model names it was started with. Faults on request, for the checks
+    of bench/level_checks.py: FAKE_SERIAL=1 answers one request at a time, FAKE_CHUNK=2 streams two tokens a chunk,
+    FAKE_COMPILE_AT=K writes a file into FAKE_COMPILE_DIR and logs a JIT warning at the K-th completion's 9th
+    token, FAKE_PREEMPT_AT=K counts a preemption at its 5th; FAKE_TOKEN_S: the time a token takes; FAKE_TICK=1
+    logs `TICK epoch` every 10 ms (a live process's heartbeat: none while it is stopped)."""
+    import http.server, json, os, socketserver, sys, threading, time
     args = sys.argv[1:]
-    time.sleep(float(os.environ.get("FAKE_START_S", "0")))  # a slow start, as a compiling engine's
+    env = os.environ.get
+    time.sleep(float(env("FAKE_START_S", "0")))  # a slow start, as a compiling engine's
     port = int(args[args.index("--port") + 1])
     names = {args[args.index("--served-model-name") + 1]}
     if "--lora-modules" in args:
         names.add(args[args.index("--lora-modules") + 1].split("=")[0])
     print("INFO 00:00:02 GPU KV cache size: 4,321 tokens", flush=True)
+    serial, state = threading.Lock(), {"posts": 0, "preempted": 0}
+    if env("FAKE_TICK"):
+        def tick():
+            while True:
+                print(f"TICK {time.time():.4f}", flush=True); time.sleep(0.01)
+        threading.Thread(target=tick, daemon=True).start()
     class H(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         def do_GET(self):
+            if self.path == "/metrics":
+                body = f'aphrodite:num_preemptions_total{{engine="0"}} {state["preempted"]}.0\\n'.encode()
+                self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers()
+                self.wfile.write(body); return
             self.send_response(200 if self.path == "/health" else 404)
             self.send_header("content-length", "0"); self.end_headers()
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             if body["model"] not in names or not body.get("ignore_eos"):
                 self.send_response(404); self.send_header("content-length", "0"); self.end_headers(); return
+            state["posts"] += 1
+            post = state["posts"]
+            if env("FAKE_SERIAL"):
+                serial.acquire()
             self.send_response(200); self.send_header("content-type", "text/event-stream")
             self.send_header("connection", "close"); self.end_headers()
-            for i in range(body["max_tokens"]):
-                time.sleep(0.002)
+            per = int(env("FAKE_CHUNK", "1"))
+            for i in range(0, body["max_tokens"], per):
+                time.sleep(float(env("FAKE_TOKEN_S", "0.002")) * per)
+                if i == 8 and str(post) == env("FAKE_COMPILE_AT"):
+                    open(os.path.join(env("FAKE_COMPILE_DIR"), f"kernel-{post}.cubin"), "w").close()
+                    warn = "Triton kernel JIT compilation during inference: _k. This causes a latency spike"
+                    print(f"WARN {time.strftime('%H:%M:%S')} {warn}", flush=True)
+                if i == 4 and str(post) == env("FAKE_PREEMPT_AT"):
+                    state["preempted"] += 1
                 chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}]}
+                         "choices": [{"index": 0, "text": "a" * per, "finish_reason": None, "logprobs": None}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode()); self.wfile.flush()
             self.wfile.write(b"data: [DONE]\\n\\n"); self.wfile.flush()
+            if env("FAKE_SERIAL"):
+                serial.release()
         def log_message(self, *a): pass
     class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
         daemon_threads = True
@@ -144,8 +172,8 @@ class _Generator:
     """A stand-in for exllamav3's Generator (fake input): one streaming result per job and step, 1 ms a step, the
     last with eos and the times exllamav3 1.6.5's generator/job.py emits at EOS (durations)."""
 
-    def __init__(self, steps=11):
-        self.queue, self.steps = [], steps
+    def __init__(self, steps=11, max_active=None):
+        self.queue, self.steps, self.max_active = [], steps, max_active
 
     def enqueue(self, job):
         self.queue.append([job, 0])
@@ -153,12 +181,16 @@ class _Generator:
     def num_remaining_jobs(self):
         return len(self.queue)
 
+    @property
+    def active_jobs(self):  # the real generator's list of started jobs: all, or the first max_active
+        return [job for job, _ in self.queue[: self.max_active]]
+
     def iterate(self):
         import time
 
         time.sleep(0.001)
         out = []
-        for entry in self.queue:
+        for entry in self.queue[: self.max_active]:  # the others wait, as jobs that found no free pages
             entry[1] += 1
             job, eos = entry[0], entry[1] == self.steps
             r = {"stage": "streaming", "eos": eos, "identifier": job.identifier, "text": "a"}
@@ -204,6 +236,7 @@ def test_both_drivers_send_the_same_prompts():
     assert (
         serving_http.prompts is exllamav3_generator.prompts
         and serving_http.level_seed is exllamav3_generator.level_seed
+        and serving_http.figures is exllamav3_generator.figures
     )
     assert all(1000 <= t < 5000 for p in serving_http.prompts(3, 16, 5000) for t in p)
 

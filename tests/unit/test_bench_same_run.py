@@ -164,3 +164,131 @@ def test_bad_arguments_are_refused_in_one_line(engines, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
         same_run.main([str(model), "--out", str(tmp / "r.json"), "--variant", "a=", *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err and not (tmp / "r.json").exists()
+
+
+def run_one(engines, extra: list[str], name: str = "run.json", levels: str = "1,3", repeats: int = 1) -> dict:
+    model, _, tmp = engines
+    out = tmp / name
+    argv = [str(model), "--out", str(out), "--concurrency", levels, "--repeats", str(repeats)]
+    argv += ["--prompt", "8", "--output", "12", "--port", str(free_port()), "--start-timeout", "60", *extra]
+    assert same_run.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_measured_shape_is_warmed_first_with_prompts_no_level_repeats(engines):
+    from level_figures import level_seed, warmup_seed
+
+    run = run_one(engines, ["--variant", "a=", "--exllamav3", "exl3"])
+    for name in ("a", "exl3"):
+        warm = run["variants"][name]["warmup_levels"]
+        assert [w["concurrency"] for w in warm] == [1, 3] and all(w["completed"] == w["concurrency"] for w in warm)
+    assert not {warmup_seed(n) for n in (1, 3, 64)} & {level_seed(n, r) for n in (1, 3, 64) for r in range(10)}
+    assert all(r["refused"] == [] for r in run["runs"]), run["runs"]  # the stand-ins serve every level soundly
+    assert all(r["active"] == r["concurrency"] for r in run["runs"])
+
+
+def test_the_variants_not_being_measured_are_stopped_meanwhile(engines):
+    """a logs a heartbeat every 10 ms while its process runs; none may fall inside b's levels."""
+    run = run_one(engines, ["--variant", "a=", "--variant", "b=", "--variant-env", "a=FAKE_TICK=1"], repeats=2)
+    _, _, tmp = engines
+    ticks = [float(line.split()[1]) for line in (tmp / "run-a.log").read_text().splitlines() if line.startswith("TICK")]
+    b_rows = [r for r in run["runs"] if r["variant"] == "b"]
+    assert b_rows and all(r["paused"] == ["a"] for r in b_rows) and run["pause_idle"] is True
+    for r in b_rows:
+        assert not [t for t in ticks if r["t_start"] < t < r["t_end"]], f"a ran during b's level {r}"
+    a_rows = [r for r in run["runs"] if r["variant"] == "a"]
+    assert all(any(r["t_start"] < t < r["t_end"] for t in ticks) for r in a_rows)  # and it runs in its own
+    assert ticks[-1] > max(r["t_end"] for r in run["runs"])  # resumed at the end: it stopped on SIGINT, not SIGKILL
+
+
+def test_without_pausing_the_other_variants_run_on(engines):
+    run = run_one(engines, ["--variant", "a=", "--variant", "b=", "--variant-env", "a=FAKE_TICK=1", "--no-pause"])
+    _, _, tmp = engines
+    ticks = [float(line.split()[1]) for line in (tmp / "run-a.log").read_text().splitlines() if line.startswith("TICK")]
+    b = next(r for r in run["runs"] if r["variant"] == "b" and r["concurrency"] == 3)
+    assert b["paused"] == [] and any(b["t_start"] < t < b["t_end"] for t in ticks) and run["pause_idle"] is False
+
+
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ("FAKE_SERIAL=1", "at most 1 of 3 requests streamed at once"),
+        ("FAKE_CHUNK=2", "streamed 6-6 chunks a request, not one a token (12)"),
+    ],
+    ids=["queued", "chunked"],
+)
+def test_a_level_not_served_as_one_batch_token_by_token_is_refused_and_left_out(engines, env, reason):
+    run = run_one(engines, ["--variant", "a=", "--variant-env", f"a={env}"])
+    by_n = {r["concurrency"]: r for r in run["runs"]}
+    assert reason in by_n[3]["refused"]
+    assert "per_request_tok_s" not in run["summary"]["a"]["3"] and run["summary"]["a"]["3"]["refused"]["rows"] == 1
+    if env == "FAKE_SERIAL=1":  # one request at a time is still a batch of one
+        assert by_n[1]["refused"] == [] and run["summary"]["a"]["1"]["per_request_tok_s"]["median"] > 0
+
+
+def test_exllamav3_jobs_held_back_refuse_the_level(engines):
+    """The worker's generator runs 2 jobs at a time (a cache too small for 3, as run 25's at N = 32)."""
+    model, _, tmp = engines
+    script = (exl3_worker.BENCH / "exllamav3_generator.py").read_text()
+    (exl3_worker.BENCH / "exllamav3_generator.py").write_text(
+        script.replace("_Generator(output)", "_Generator(output, 2)")
+    )
+    run = run_one(engines, ["--exllamav3", "exl3"])
+    three = next(r for r in run["runs"] if r["concurrency"] == 3)
+    assert three["active_jobs"] == 2 and "at most 2 of 3 jobs active in the generator" in three["refused"]
+    assert "at most 2 of 3 requests streamed at once" in three["refused"]
+    assert next(r for r in run["runs"] if r["concurrency"] == 1)["refused"] == []
+
+
+def test_a_compile_or_a_preemption_inside_a_level_refuses_it(engines):
+    """The K-th completion request (1 warm-up, 1 + 3 warm-up levels, then 1 at N = 1, 3 at N = 3) compiles: the
+    9th is the last of the measured N = 3 level. A token takes 0.15 s, so that each level has whole seconds of its
+    own (the JIT warning's stamp has whole seconds)."""
+    _, _, tmp = engines
+    cache = tmp / "triton-cache"
+    cache.mkdir()
+    env = f"a=FAKE_COMPILE_AT=9 FAKE_COMPILE_DIR={cache} FAKE_TOKEN_S=0.15"
+    run = run_one(engines, ["--variant", "a=", "--variant-env", env, "--watch-dir", str(cache)])
+    three = next(r for r in run["runs"] if r["concurrency"] == 3)
+    assert f"compiled inside: {cache / 'kernel-9.cubin'}" in three["refused"]
+    assert "compiled inside: Triton JIT of _k" in three["refused"]
+    assert next(r for r in run["runs"] if r["concurrency"] == 1)["refused"] == []
+    assert {c["level"] for c in run["compiles"]} == {"a N=3 repeat 0"}
+    assert run["compile_check"]["watched"] == [str(cache)]
+
+    run = run_one(engines, ["--variant", "a=", "--variant-env", "a=FAKE_PREEMPT_AT=6"], name="pre.json")
+    one, three = (next(r for r in run["runs"] if r["concurrency"] == n) for n in (1, 3))
+    assert one["preemptions"] == 1 and "1 preemptions" in one["refused"]
+    assert three["preemptions"] == 0 and three["refused"] == []
+
+
+def test_each_variant_records_the_state_dtype_it_serves_and_the_runs_bandwidth(engines):
+    model, _, tmp = engines
+    (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 5000, "mamba_ssm_dtype": "float32"}}))
+    bandwidth = tmp / "bw.json"
+    bandwidth.write_text(json.dumps({"copy_bandwidth_gbps": 3012.5}))
+    extra = ["--variant", "fp32=", "--variant", "bf16=--mamba-ssm-cache-dtype bfloat16"]
+    extra += ["--exllamav3", "x3", "--exllamav3", "x3-fp32=--state-dtype float32", "--bandwidth-file", str(bandwidth)]
+    run = run_one(engines, extra, levels="1")
+    assert {n: v["state_dtype"] for n, v in run["variants"].items()} == {
+        "fp32": "float32",
+        "bf16": "bfloat16",
+        "x3": "float16",
+        "x3-fp32": "float32",
+    }
+    assert run["variants"]["x3-fp32"]["command"][-2:] == ["--state-dtype", "float32"]
+    assert run["bandwidth"] == {"copy_bandwidth_gbps": 3012.5}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exllamav3", "=x"], "--exllamav3 takes"),
+        (["--bandwidth-file", "/nonexistent/bw.json"], "--bandwidth-file /nonexistent/bw.json: not roofline.py"),
+    ],
+)
+def test_bad_sound_arguments_are_refused_in_one_line(engines, capsys, extra, message):
+    model, _, tmp = engines
+    with pytest.raises(SystemExit) as e:
+        same_run.main([str(model), "--out", str(tmp / "r.json"), "--variant", "a=", *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err and not (tmp / "r.json").exists()
