@@ -31,28 +31,32 @@
 #                          do not share the GPU with the measured levels (the engines start and warm meanwhile);
 #                          no level starts after HXF_SD_DEADLINE seconds (default HXF_STAGE_SECONDS, which also caps
 #                          the suites), so a suite cut at its cap still leaves the levels their time
-#   compare:PRESET         bench/same_run.py on one full-depth checkpoint (issues 31, 32): each release staged here
-#                          (0.24.1 in /tmp/devsite24, 0.21.0 in /tmp/devsite) without and with the preset's lora-mlp,
-#                          and exllamav3's generator (ci/exllamav3-env.sh; started once ci/exllamav3-build.sh's
-#                          extension is there, within HXF_CMP_EXT_WAIT seconds, default 900, while the engines start
-#                          and compile), levels alternated:
-#                          HXF_CMP_LEVELS (default 1,8,32,64), HXF_CMP_REPEATS (3), HXF_CMP_KV_BYTES per engine
-#                          (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the preset's), HXF_CMP_VARIANTS (a comma
-#                          subset of 0.24,0.24-lora,0.24-lora-tuned,0.24-lora-experts,0.24-p12,0.24-keep,0.21,0.21-lora,
-#                          0.21-lora-experts,0.21-nop8,exllamav3; NAME-lora-experts: a MoE preset's lora-experts-3d
-#                          served through P13 (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1);
-#                          NAME-nop8: P8 switched off, the before of its before/after; NAME-p12: P12 opted into
-#                          (HYBRID_EXL3_FIXES_MID_BATCH=1), the after of its before/after; NAME-keep: P12 with
-#                          float16 weights kept (HYBRID_EXL3_FIXES_EXL3_KEEP=HXF_CMP_KEEP, default all); -lora-tuned:
-#                          the adapter with the LoRA kernel configs in HXF_CMP_LORA_TUNED, else tuned here first,
-#                          bench/lora_tune.py, within HXF_CMP_TUNE_SECONDS, default 120), HXF_CMP_SEQS (--max-num-seqs; default the largest
-#                          level), HXF_CMP_LORA_KV_BYTES / HXF_CMP_LORA_SEQS (the adapter variants' pool and
-#                          --max-num-seqs), HXF_CMP_LORA_ARGS (more engine flags for them: `--max-model-len 832`
-#                          keeps an earlier run's compile cache), HXF_CMP_VARIANT_LEVELS (space list of NAME=N,N: same_run.py --levels),
-#                          HXF_CMP_PROMPT / HXF_CMP_OUTPUT (tokens; 512 / 256), HXF_CMP_AFTER (stages, comma list,
-#                          whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds the weights
-#                          (the 35B-A3B: about 19 GB at 4 bits, 14 at 3) and aphrodite's its pool besides; five 4-bit
-#                          35B-A3B variants do not fit one H200
+#   compare:PRESET         bench/same_run.py on one full-depth checkpoint: each release staged here (0.24.1 in
+#                          /tmp/devsite24, 0.21.0 in /tmp/devsite) in the engine's default backends, and exllamav3's
+#                          generator (ci/exllamav3-env.sh; started once ci/exllamav3-build.sh's extension is there,
+#                          within HXF_CMP_EXT_WAIT seconds, default 900, while the engines start and compile); the copy
+#                          bandwidth measured first, on the GPU alone (bench/roofline.py --measure, kept in every JSON);
+#                          the compile caches watched (a file appearing inside a level refuses it). Variants: a comma
+#                          list in HXF_CMP_VARIANTS of 0.24, 0.24-bf16state (--mamba-ssm-cache-dtype bfloat16, its pool
+#                          HXF_CMP_BF16_KV_BYTES), 0.24-lora, 0.24-lora-tuned, 0.24-lora-experts, 0.24-p12, 0.24-keep,
+#                          the same for 0.21, 0.21-nop8, exllamav3 (its float16 state) and exllamav3-fp32 (a float32
+#                          state); or HXF_CMP_PHASES, groups of them split by ';', run one group after the other (the
+#                          variants that do not fit the GPU together), each alternated among itself, one JSON a phase
+#                          (NAME-phaseK.json), HXF_CMP_DEADLINES their deadlines (comma list, seconds from each phase's
+#                          start). NAME-lora-experts: a MoE preset's lora-experts-3d served through P13
+#                          (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1); NAME-nop8: P8 switched off; NAME-p12: P12 opted into
+#                          (HYBRID_EXL3_FIXES_MID_BATCH=1); NAME-keep: P12 with float16 weights kept
+#                          (HYBRID_EXL3_FIXES_EXL3_KEEP=HXF_CMP_KEEP, default all); -lora-tuned: the adapter with the
+#                          LoRA kernel configs in HXF_CMP_LORA_TUNED, else tuned here first (bench/lora_tune.py, within
+#                          HXF_CMP_TUNE_SECONDS, default 120). HXF_CMP_LEVELS (default 1,8,16,32,64), HXF_CMP_REPEATS
+#                          (5), HXF_CMP_KV_BYTES per engine (12 GiB), HXF_CMP_BITS (make-tiny --bits; default the
+#                          preset's), HXF_CMP_SEQS (--max-num-seqs; default the largest level), HXF_CMP_LORA_KV_BYTES /
+#                          HXF_CMP_LORA_SEQS (the adapter variants' pool and --max-num-seqs), HXF_CMP_LORA_ARGS (more
+#                          engine flags for them), HXF_CMP_VARIANT_LEVELS (space list of NAME=N,N: same_run.py
+#                          --levels), HXF_CMP_PROMPT / HXF_CMP_OUTPUT (tokens; 512 / 256), HXF_CMP_AFTER (stages, comma
+#                          list, whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds
+#                          the weights (the 27B 12 GiB at 3 bits) and its state besides (aphrodite's pool; exllamav3's
+#                          cache, two state rows a slot: 18 GiB at 64 slots in float32 for the 27B)
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
 # Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
 # per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
@@ -101,67 +105,98 @@ state_dtype() {  # PRESET
   inputs "$m" "$ROOT/state-dtype"
   local after=() s
   for s in ${HXF_SD_AFTER:+${HXF_SD_AFTER//,/ }}; do after+=(--hold-until "$ROOT/$s.done"); done
-  local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs --gdn-prefill-backend triton --language-model-only"
+  local common="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $kv --max-num-seqs $seqs"
   python3 bench/same_run.py "$m/exl3" --out "$ROOT/state-dtype/$1.json" --port $((8400 + PORTS)) \
     --concurrency "${HXF_SD_LEVELS:-1,32,64,128}" --repeats "${HXF_SD_REPEATS:-3}" --deadline "${HXF_SD_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${after[@]}" \
     --variant "float32-state=$common" --variant "bf16-state=$common --mamba-ssm-cache-dtype bfloat16"
 }
 
 compare() {  # PRESET
-  local name=$1 bits=() m levels=${HXF_CMP_LEVELS:-1,8,32,64} kv=${HXF_CMP_KV_BYTES:-$((12 << 30))} args=()
+  local name=$1 bits=() m levels=${HXF_CMP_LEVELS:-1,8,16,32,64} kv=${HXF_CMP_KV_BYTES:-$((12 << 30))} args=()
   [ -z "${HXF_CMP_BITS:-}" ] || bits=(--bits "$HXF_CMP_BITS")
   m="/tmp/hxf-models/$name${HXF_CMP_BITS:+-${HXF_CMP_BITS}bit}"
   mk "$m" --preset "$name" "${bits[@]}"
   mkdir -p "$ROOT/compare"
   inputs "$m" "$ROOT/compare"
-  local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs ${HXF_CMP_SEQS:-${levels##*,}} --gdn-prefill-backend triton --language-model-only"
-  local lkv=${HXF_CMP_LORA_KV_BYTES:-$kv} lseqs=${HXF_CMP_LORA_SEQS:-${HXF_CMP_SEQS:-${levels##*,}}}
-  local lcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $lkv --max-num-seqs $lseqs --gdn-prefill-backend triton --language-model-only ${HXF_CMP_LORA_ARGS:-}"
+  # the copy bandwidth of the roofline, on this GPU before any engine holds it (every phase's JSON keeps it)
+  python3 bench/roofline.py --measure > "$ROOT/compare/bandwidth.json" 2> "$ROOT/compare/bandwidth.log" \
+    || { echo "compare: no bandwidth measured (bandwidth.log)"; rm -f "$ROOT/compare/bandwidth.json"; }
+  # the engine's defaults (FlashInfer's GDN prefill on SM90, the checkpoint's vision tower loaded: make-tiny writes
+  # one), the pool pinned so that the engines can start at once
+  local seqs=${HXF_CMP_SEQS:-${levels##*,}}
+  local common="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $kv --max-num-seqs $seqs"
+  local bcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes ${HXF_CMP_BF16_KV_BYTES:-$kv} --max-num-seqs $seqs"
+  local lkv=${HXF_CMP_LORA_KV_BYTES:-$kv} lseqs=${HXF_CMP_LORA_SEQS:-$seqs}
+  local lcommon="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes $lkv --max-num-seqs $lseqs ${HXF_CMP_LORA_ARGS:-}"
   local lora="--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-mlp"
   local tuned="${HXF_CMP_LORA_TUNED:-$ROOT/compare/lora-tuned}"
-  local want=",${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}," rel
+  local want rel
   has() { case "$want" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
-  for rel in 0.24 0.21; do
-    local SITE PYPATH TARGET; staged "$rel"
-    [ -d "$TARGET/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
-    [ "$rel" = "$REL" ] || bash ci/site-install.sh "$TARGET"
-    local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
-    has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
-    has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$lcommon $lora" --variant-env "aphrodite-$rel-lora=$env")
-    if has "$rel-lora-tuned"; then  # the configs tuned first (the lora-tune stage's, or here, no engine up yet)
-      [ -e "$tuned/lora_tune.json" ] || env PYTHONPATH="$PYPATH" python3 bench/lora_tune.py --out "$tuned" --deadline "${HXF_CMP_TUNE_SECONDS:-120}" \
-        > "$ROOT/compare/lora-tune.log" 2>&1 || echo "compare: lora_tune failed (lora-tune.log); defaults stand"
-      args+=(--variant "aphrodite-$rel-lora-tuned=$lcommon $lora"
-        --variant-env "aphrodite-$rel-lora-tuned=$env APHRODITE_TUNED_CONFIG_FOLDER=$tuned")
-    fi
-    has "$rel-lora-experts" && args+=(  # a MoE preset's expert adapter, served through P13 (opted in)
-      --variant "aphrodite-$rel-lora-experts=$lcommon --enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-experts-3d"
-      --variant-env "aphrodite-$rel-lora-experts=$env HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1")
-    has "$rel-p12" && args+=(--variant "aphrodite-$rel-p12=$common"
-      --variant-env "aphrodite-$rel-p12=$env HYBRID_EXL3_FIXES_MID_BATCH=1")
-    has "$rel-keep" && args+=(--variant "aphrodite-$rel-keep=$common"
-      --variant-env "aphrodite-$rel-keep=$env HYBRID_EXL3_FIXES_EXL3_KEEP=${HXF_CMP_KEEP:-all}")
-    has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
-      --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
+  variants() {  # the same_run.py arguments of the comma list in $want, into args
+    args=()
+    for rel in 0.24 0.21; do
+      local SITE PYPATH TARGET; staged "$rel"
+      [ -d "$TARGET/aphrodite" ] || { echo "compare: $rel is not staged here; its variants are left out"; continue; }
+      [ "$rel" = "$REL" ] || [ -e "$TARGET/.hxf-installed" ] || { bash ci/site-install.sh "$TARGET" && touch "$TARGET/.hxf-installed"; }
+      local env="PYTHONPATH=$PYPATH PATH=$SITE/bin:$PATH"
+      has "$rel" && args+=(--variant "aphrodite-$rel=$common" --variant-env "aphrodite-$rel=$env")
+      has "$rel-bf16state" && args+=(--variant "aphrodite-$rel-bf16state=$bcommon --mamba-ssm-cache-dtype bfloat16"
+        --variant-env "aphrodite-$rel-bf16state=$env")
+      has "$rel-lora" && args+=(--variant "aphrodite-$rel-lora=$lcommon $lora" --variant-env "aphrodite-$rel-lora=$env")
+      if has "$rel-lora-tuned"; then  # the configs tuned first (the lora-tune stage's, or here, no engine up yet)
+        [ -e "$tuned/lora_tune.json" ] || env PYTHONPATH="$PYPATH" python3 bench/lora_tune.py --out "$tuned" --deadline "${HXF_CMP_TUNE_SECONDS:-120}" \
+          > "$ROOT/compare/lora-tune.log" 2>&1 || echo "compare: lora_tune failed (lora-tune.log); defaults stand"
+        args+=(--variant "aphrodite-$rel-lora-tuned=$lcommon $lora"
+          --variant-env "aphrodite-$rel-lora-tuned=$env APHRODITE_TUNED_CONFIG_FOLDER=$tuned")
+      fi
+      has "$rel-lora-experts" && args+=(  # a MoE preset's expert adapter, served through P13 (opted in)
+        --variant "aphrodite-$rel-lora-experts=$lcommon --enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules bench=$m/lora-experts-3d"
+        --variant-env "aphrodite-$rel-lora-experts=$env HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1")
+      has "$rel-p12" && args+=(--variant "aphrodite-$rel-p12=$common"
+        --variant-env "aphrodite-$rel-p12=$env HYBRID_EXL3_FIXES_MID_BATCH=1")
+      has "$rel-keep" && args+=(--variant "aphrodite-$rel-keep=$common"
+        --variant-env "aphrodite-$rel-keep=$env HYBRID_EXL3_FIXES_EXL3_KEEP=${HXF_CMP_KEEP:-all}")
+      has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
+        --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
+    done
+    for v in exllamav3 exllamav3-fp32; do  # started by same_run.py once the extension is unpacked
+      has "$v" || continue
+      local state=(); [ "$v" = exllamav3-fp32 ] && state=("=--state-dtype float32")
+      args+=(--exllamav3 "$v${state[*]}" --variant-env "$v=PYTHONPATH=$x3" --start-after "$v=$ready")
+    done
+  }
+  local ready=/tmp/hxf-exl3-ready x3
+  rm -f "$ready"
+  # exllamav3's PYTHONPATH, its sources unpacked once here (before the wait below sources the same script)
+  x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
+  # the env script knows where the extension may come from and unpacks it once it is there
+  ( ext() { ( source ci/exllamav3-env.sh > /dev/null; [ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] ); }
+    waited=0
+    until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
+    if ext; then : > "$ready"
+    else echo "no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh)" > "$ready"; fi ) &
+  # phases: variants that do not fit the GPU together run one group after the other (HXF_CMP_PHASES, groups split
+  # by ';'), each group alternated among itself; one JSON a phase, NAME-phaseK.json (bench/compare_report.py
+  # takes them all); without HXF_CMP_PHASES one phase of HXF_CMP_VARIANTS
+  local phases=${HXF_CMP_PHASES:-${HXF_CMP_VARIANTS:-0.24,0.24-lora,0.21,0.21-lora,exllamav3}} k=0 group deadline
+  local watch=(--watch-dir "$TRITON_CACHE_DIR" --watch-dir /tmp/torchinductor_root --watch-dir "$HOME/.cache/flashinfer"
+    --watch-dir "$HOME/.cache/aphrodite/torch_compile_cache")
+  local bw=(); [ -e "$ROOT/compare/bandwidth.json" ] && bw=(--bandwidth-file "$ROOT/compare/bandwidth.json")
+  IFS=';' read -ra groups <<< "$phases"
+  IFS=',' read -ra deadlines <<< "${HXF_CMP_DEADLINES:-}"
+  for group in "${groups[@]}"; do
+    want=",$group,"; variants
+    deadline=${deadlines[$k]:-${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}}
+    k=$((k + 1))
+    [ ${#args[@]} -gt 0 ] || { echo "compare: phase $k has no variant to run"; continue; }
+    local s; for s in ${HXF_CMP_AFTER:+${HXF_CMP_AFTER//,/ }}; do args+=(--hold-until "$ROOT/$s.done"); done
+    for s in ${HXF_CMP_VARIANT_LEVELS:-}; do args+=(--levels "$s"); done
+    local json="$ROOT/compare/$(basename "$m").json"; [ ${#groups[@]} -gt 1 ] && json="$ROOT/compare/$(basename "$m")-phase$k.json"
+    echo "== $(date -u +%FT%TZ) compare phase $k: $group (deadline $deadline s)"
+    python3 bench/same_run.py "$m/exl3" --out "$json" --port $((8500 + PORTS + 10 * k)) \
+      --concurrency "$levels" --prompt "${HXF_CMP_PROMPT:-512}" --output "${HXF_CMP_OUTPUT:-256}" \
+      --repeats "${HXF_CMP_REPEATS:-5}" --deadline "$deadline" "${bw[@]}" "${watch[@]}" "${args[@]}"
   done
-  if has exllamav3; then  # started by same_run.py once the extension is unpacked: the engines do not wait for it
-    local ready=/tmp/hxf-exl3-ready x3
-    rm -f "$ready"
-    x3=$(env PYTHONPATH=/tmp/devsite bash -c 'source ci/exllamav3-env.sh > /dev/null && echo "$PYTHONPATH"')
-    # the env script knows where the extension may come from and unpacks it once it is there
-    ( ext() { ( source ci/exllamav3-env.sh > /dev/null; [ -e "$EXL3_ROOT/bin/exllamav3_ext.so" ] ); }
-      waited=0
-      until ext || [ $waited -ge "${HXF_CMP_EXT_WAIT:-900}" ]; do sleep 10; waited=$((waited + 10)); done
-      if ext; then : > "$ready"
-      else echo "no exllamav3 extension after ${waited} s (ci/exllamav3-build.sh)" > "$ready"; fi ) &
-    args+=(--exllamav3 exllamav3 --variant-env "exllamav3=PYTHONPATH=$x3" --start-after "exllamav3=$ready")
-  fi
-  [ ${#args[@]} -gt 0 ] || { echo "compare: no variant to run"; return 2; }
-  local s; for s in ${HXF_CMP_AFTER:+${HXF_CMP_AFTER//,/ }}; do args+=(--hold-until "$ROOT/$s.done"); done
-  for s in ${HXF_CMP_VARIANT_LEVELS:-}; do args+=(--levels "$s"); done
-  python3 bench/same_run.py "$m/exl3" --out "$ROOT/compare/$(basename "$m").json" --port $((8500 + PORTS)) \
-    --concurrency "$levels" --prompt "${HXF_CMP_PROMPT:-512}" --output "${HXF_CMP_OUTPUT:-256}" \
-    --repeats "${HXF_CMP_REPEATS:-3}" --deadline "${HXF_CMP_DEADLINE:-${HXF_STAGE_SECONDS:-1500}}" "${args[@]}"
 }
 
 fulldepth() {  # PRESETS
