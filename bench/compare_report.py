@@ -77,6 +77,27 @@ def merge(runs: list[dict], names: list[str]) -> dict:
     return out
 
 
+def refuse(run: dict, spec: str) -> None:
+    """``--refuse NAME=N:REASON``: mark a level of a run recorded before same_run.py checked its levels as refused
+    (its rows keep REASON, the summary drops them), as the checks would have: for example run 25's exllamav3 at
+    N = 32, whose cache held 24 of 32 jobs."""
+    import statistics
+
+    name, _, rest = spec.partition("=")
+    level, _, reason = rest.partition(":")
+    if name not in run["variants"] or not level.isdigit() or not reason:
+        raise ValueError(f"--refuse takes NAME=N:REASON with NAME a variant of the run, got {spec!r}")
+    rows = [r for r in run["runs"] if r["variant"] == name and r.get("concurrency") == int(level)]
+    for r in rows:
+        r["refused"] = [*(r.get("refused") or []), reason]
+    summary = {"refused": {"rows": len(rows)}}
+    for metric in METRICS.values():
+        kept = [r[metric] for r in rows if not r["refused"] and r.get(metric) is not None]
+        if kept:
+            summary[metric] = {"median": statistics.median(kept), "min": min(kept), "max": max(kept)}
+    run["summary"].setdefault(name, {})[level] = summary
+
+
 def reported(run: dict, name: str, n: int) -> list[dict]:
     return [r for r in run["runs"] if r["variant"] == name and r.get("concurrency") == n and not r.get("refused")]
 
@@ -304,7 +325,7 @@ def markdown(run: dict, table: list[dict], bandwidth_source: str | None, title: 
         f"+ output {run.get('output', 256)}, each variant's own GDN state bytes; the weights a step reads leave out "
         "the vision tower and the MTP head and count the expected distinct routed experts of N x k routes."
         if roof
-        else "Roofline: none (no copy bandwidth measured on this GPU kind).",
+        else "Roofline: none (no copy bandwidth measured in this run or on this GPU kind).",
         "",
         (
             "| variant | state | N | repeats | per-request tok/s, median (min-max) | each repeat | decode tok/s | "
@@ -371,12 +392,21 @@ def main(argv: list[str] | None = None) -> int:
     import lzma
 
     p = level_parser(__doc__, bandwidth_required=False, many=True)
+    p.add_argument(
+        "--refuse",
+        action="append",
+        default=[],
+        metavar="NAME=N:REASON",
+        help="a level of an older run (recorded before same_run.py checked its levels) refused, with its reason",
+    )
     args = p.parse_args(argv)
     for f in (*args.run, args.inputs, args.bandwidth_file):
         if f is not None and not f.is_file():
             p.error(f"{f}: no such file")
     try:
         run = merge([json.loads(f.read_text()) for f in args.run], [f.name for f in args.run])
+        for spec in args.refuse:
+            refuse(run, spec)
         inputs = read_inputs(args.inputs)
         if args.bandwidth_file:
             bandwidth = json.loads(args.bandwidth_file.read_text())["copy_bandwidth_gbps"]

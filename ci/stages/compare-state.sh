@@ -5,6 +5,9 @@
 # 32, 64 with every request of a level active at once (bench/level_checks.py), 5 repeats. Run detached after
 # 0.24.1's install call:
 #   bash ci/device-bg.sh start r53 bash ci/stages/compare-state.sh
+# and waited for with the results brought back in every call (docs/development.md), a machine lost between two calls
+# keeping what was measured:
+#   bash ci/device-bg.sh wait r53 290 /tmp/hxf-out/0.24/compare.log /tmp/hxf-out/0.24/compare/*.json
 # The four engines hold about 124 GiB at N = 64 (aphrodite: 12 GiB of weights and a 22.5 / 11.5 GiB pool pinned for
 # 64 requests of 256 tokens; exllamav3: the same weights and two state rows a slot, 18 / 9 GiB at 64 slots): on a GPU
 # of 120 GiB or more they run as one phase, on an 80 GB card as two (each state pair a phase of its own, so that

@@ -113,7 +113,7 @@ def test_a_run_without_exllamav3_has_no_ratio_column_and_its_rows_keep_their_cel
 def test_without_a_bandwidth_file_the_report_has_no_roofline_rather_than_another_cards(tmp_path):
     rows, md = report(tmp_path, fake_run(), bandwidth=None)
     assert len(rows) == 6 and "of_roofline" not in rows["aphrodite-0.24", 1]
-    assert "Roofline: none (no copy bandwidth measured on this GPU kind)." in md
+    assert "Roofline: none (no copy bandwidth measured in this run or on this GPU kind)." in md
     head = next(line for line in md.splitlines() if line.startswith("| variant | state | N |"))
     assert "roofline" not in head and head.count("|") == 11
     table = [line for line in md.splitlines() if line.startswith("| aphrodite-0.24 | float32 | 1 |")]
@@ -329,3 +329,21 @@ def test_a_variant_name_in_two_phases_is_refused(tmp_path):
     ]
     r = subprocess.run([*cmd, "--inputs", str(RUN25), "--out", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 2 and "variant a is in two runs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_level_of_an_older_run_can_be_refused_with_its_reason(tmp_path):
+    run = fake_run()
+    run["runs"] = [{**r, "per_request_tok_s": 100.0} for r in run["runs"]]
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "run.json"), "--inputs", str(INPUTS), "--out", str(out), "--stem", "old"]
+    assert compare_report.main([*argv, "--refuse", "exllamav3=8:its cache held 6 of 8 jobs"]) == 0
+    rows = {(r["variant"], int(r["concurrency"])) for r in csv.DictReader(open(out / "old.csv"))}
+    assert ("exllamav3", 8) not in rows and ("exllamav3", 1) in rows
+    md = (out / "old.md").read_text()
+    assert "- exllamav3 N = 8 repeat 0: its cache held 6 of 8 jobs" in md
+    assert (
+        "| aphrodite-0.24 | float32 | 8 | 3 | 75.0 (73.5-75.75) | 100.0 / 100.0 / 100.0 | 600.0 (588.0-606.0) | " in md
+    )
+    with pytest.raises(SystemExit):
+        compare_report.main([*argv, "--refuse", "nobody=8:x"])
