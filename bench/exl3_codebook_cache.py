@@ -44,7 +44,8 @@ def main() -> None:
     from triton.testing import do_bench
 
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
-    from hybrid_exl3_fixes.exl3 import codec, dispatch
+    from hybrid_exl3_fixes.checkpoint import codec
+    from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
 
     dev = torch.device("cuda:0")
     overhead = {}
@@ -73,15 +74,15 @@ def main() -> None:
                 x = torch.randn(rows, k, generator=gen).to(torch.float16).to(dev)
                 linear(x, trellis, suh, svh, *flags["mcg"])  # the owner sets the cache entry
                 timings = {"native": lambda: linear(x, trellis, suh, svh, *flags["mcg"])}
-                launch = dispatch.forced_launch(cc, k, n, K, sms)
+                launch = kernels.forced_launch(cc, k, n, K, sms)
                 timings["p3_forced"] = lambda launch=launch: routed(x, trellis, suh, svh, *cb, *launch)
                 timings["reconstruct"] = lambda: routed(x, trellis, suh, svh, *cb, 0, 0)
                 result = {name: do_bench(fn, warmup=20, rep=100, quantiles=[0.5]) * 1e3 for name, fn in timings.items()}
                 sweep = {}
                 for shape_idx in range(1, 5):
-                    if not dispatch.shape_fits(shape_idx, k, n):
+                    if not kernels.shape_fits(shape_idx, k, n):
                         continue
-                    slices = (k // dispatch.TILE_K[shape_idx]) * (n // dispatch.TILE_N[shape_idx])
+                    slices = (k // kernels.TILE_K[shape_idx]) * (n // kernels.TILE_N[shape_idx])
                     for frac in (1.0, 0.5, 0.25):
                         num = max(1, min(slices, int(sms * frac)))
                         sweep[f"{shape_idx}/{num}"] = (

@@ -63,12 +63,14 @@ def measure(out: Path, rounds: int, only: list[str]) -> None:
     import torch
 
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p8_kernel_choice as p8
-    from hybrid_exl3_fixes.exl3 import choice, codec, dispatch
+    from hybrid_exl3_fixes.checkpoint import codec
+    from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+    from hybrid_exl3_fixes.decisions import p8_kernel_choice as choice
 
     p8.ROUNDS = rounds
     dev = torch.device("cuda:0")
     props = torch.cuda.get_device_properties(0)
-    cc, sms = dispatch.compute_class(props.major, props.minor), props.multi_processor_count
+    cc, sms = kernels.compute_class(props.major, props.minor), props.multi_processor_count
     gen = torch.Generator().manual_seed(0)
     report = {"device": f"{props.name}, {sms} SMs, class {cc}", "rounds": rounds, "calls": p8.CALLS, "rows": []}
     import aphrodite
@@ -81,7 +83,7 @@ def measure(out: Path, rounds: int, only: list[str]) -> None:
         mats = [random_layer(k, n, K, gen, dev, torch, codec) for _ in range(2 if path == "mgemm" else 1)]
         launches = choice.candidates(cc, k, n, K, sms)
         if path == "mgemm":
-            times = mgemm_times(mats, K, launches, torch, p8, choice, dispatch)
+            times = mgemm_times(mats, K, launches, torch, p8, choice, kernels)
             picked = None
         else:
             m = mats[0]
@@ -110,7 +112,7 @@ def measure(out: Path, rounds: int, only: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
-def mgemm_times(mats, K, launches, torch, p8, choice, dispatch):
+def mgemm_times(mats, K, launches, torch, p8, choice, kernels):
     """exl3_mgemm over the two matrices as aphrodite's exl3_gate_up calls it (force -1, 0) and with every forced
     launch (its SM count is mgemm's own limit per matrix); outputs checked against the reconstruct path."""
     from aphrodite import _custom_ops as ops
@@ -123,7 +125,7 @@ def mgemm_times(mats, K, launches, torch, p8, choice, dispatch):
     }
     linear = torch.ops.aphrodite.exl3_linear_one
     g = torch.Generator(device=dev).manual_seed(0)
-    x_all = torch.randn(dispatch.SMALL_BATCH_ROWS + 1, k, generator=g, device=dev).to(torch.float16)
+    x_all = torch.randn(kernels.SMALL_BATCH_ROWS + 1, k, generator=g, device=dev).to(torch.float16)
     refs = [linear(x_all, m["trellis"], m["suh"], m["svh"], True, False).float() for m in mats]
     times = {}
     for rows in choice.ROW_STEPS:
@@ -141,7 +143,7 @@ def mgemm_times(mats, K, launches, torch, p8, choice, dispatch):
         for s, m in launches:
             got = call(s, m).float()
             err = max(float((got[i] - refs[i][:rows]).norm() / refs[i][:rows].norm()) for i in range(2))
-            if err < dispatch.SAME:
+            if err < kernels.SAME:
                 fns[(s, m)] = lambda s=s, m=m: call(s, m)
         times[rows] = p8._time(fns, torch)
     return times

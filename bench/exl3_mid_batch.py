@@ -83,7 +83,8 @@ def measure(out: Path, rounds: int, only: list[str]) -> None:
     import torch
 
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p12_mid_batch as p12
-    from hybrid_exl3_fixes.exl3 import codec, midbatch
+    from hybrid_exl3_fixes.checkpoint import codec
+    from hybrid_exl3_fixes.decisions import p12_mid_batch as midbatch
 
     p12.ROUNDS = rounds
     midbatch_rows = midbatch.ROW_STEPS

@@ -137,12 +137,12 @@ def figures(text: str) -> dict:
 
 
 def engine_from_command(command: list[str], total_gib: float, release: str):
-    """The ``memplan.Engine`` a calibration start planned for: its flags as ``aphrodite run`` read them (the last of a
-    repeated flag wins), on a GPU of ``total_gib`` (the engine's own logged total; an emulated card is its
+    """The ``arithmetic.Engine`` a calibration start planned for: its flags as ``aphrodite run`` read them (the last of
+    a repeated flag wins), on a GPU of ``total_gib`` (the engine's own logged total; an emulated card is its
     ``--gpu-memory-utilization`` share of it)."""
     import json
 
-    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     def value(flag: str, cast=str, default=None):
         found = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
@@ -151,8 +151,8 @@ def engine_from_command(command: list[str], total_gib: float, release: str):
     prefix = (
         True if "--enable-prefix-caching" in command else False if "--no-enable-prefix-caching" in command else None
     )
-    text_only, image_limit = memplan.memvision.mm_limits_plan(json.loads(value("--limit-mm-per-prompt", default="{}")))
-    return memplan.Engine(
+    text_only, image_limit = arithmetic.vision.mm_limits_plan(json.loads(value("--limit-mm-per-prompt", default="{}")))
+    return arithmetic.Engine(
         total_gib,
         tp=value("--tensor-parallel-size", int, 1),
         utilization=value("--gpu-memory-utilization", float, 0.92),

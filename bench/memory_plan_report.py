@@ -70,7 +70,7 @@ def shape_of(config: dict):
 
 
 def tiny_config(preset: str, **overrides) -> dict:
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, hf_config
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, hf_config
 
     return hf_config(TinySpec.preset(preset, **overrides) if preset != "tiny" else TinySpec(**overrides))
 
@@ -110,10 +110,10 @@ def rows() -> list[dict]:
     """(kind, name, source, config, tensors, engine arguments, logged text)."""
     from functools import partial
 
-    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     # runs 10-14 ran aphrodite-engine 0.21.0 (prefix caching off by default there); later rows name their release
-    Engine = partial(memplan.Engine, release="0.21.0")
+    Engine = partial(arithmetic.Engine, release="0.21.0")
 
     run10, run11 = RUNS / "2026-12-01-run10", RUNS / "2026-12-01-run11"
     out = [
@@ -263,7 +263,7 @@ def rows() -> list[dict]:
                 f"27B full depth, {state} state{flag}, 0.24.1 (aphrodite run, --kv-cache-memory-bytes 28 GiB)",
                 f"run18/state-dtype/qwen3.6-27b-full-{state}-state.log",
                 cfg,
-                memplan.Engine(139.8, max_model_len=832, language_model_only=True, release="0.24.1"),
+                arithmetic.Engine(139.8, max_model_len=832, language_model_only=True, release="0.24.1"),
                 (run18 / f"qwen3.6-27b-full-{state}-state.log").read_text(errors="replace"),
                 28 << 30,
             )
@@ -282,7 +282,7 @@ def rows() -> list[dict]:
                 "(aphrodite run, --kv-cache-memory-bytes 12 GiB)",
                 f"run23/{log}",
                 moe,
-                memplan.Engine(139.8, release=release, lora=lora, **COMPARE_ENGINE),
+                arithmetic.Engine(139.8, release=release, lora=lora, **COMPARE_ENGINE),
                 (run23 / log).read_text(errors="replace"),
                 12 << 30,
             )
@@ -292,7 +292,7 @@ def rows() -> list[dict]:
     for label, logs, log, cfg, kv, release, prefix in pinned:
         text = (logs / log).read_text(errors="replace") if logs.is_dir() else tar_member(logs, log)
         source = f"{logs.relative_to(RUNS)}/{log}".replace("2026-12-0", "").replace("/engine-logs.tgz", "")
-        eng = memplan.Engine(
+        eng = arithmetic.Engine(
             139.8,
             max_model_len=2048,
             kv_dtype=kv,
@@ -337,23 +337,23 @@ def with_ssm_dtype(config: dict, dtype: str) -> dict:
 
 
 def evaluate(row: dict) -> dict:
-    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     shape = shape_of(row["config"])
     got = logged(row["text"])
     eng = row["engine"]
-    layout = memplan.kv_layout(shape, eng)
+    layout = arithmetic.kv_layout(shape, eng)
     result = {"kind": row["kind"], "configuration": row["name"], "source": row["source"]}
     if row["kind"] == "layout":
-        cap = memplan.kv_capacity(layout, row["pool"], eng.max_model_len)
+        cap = arithmetic.kv_capacity(layout, row["pool"], eng.max_model_len)
         pairs = {"block_size": layout["block_size"], **{k: cap[k] for k in ("kv_cache_tokens", "max_concurrency")}}
     else:
         exl3 = any(n.endswith(".trellis") for n in row["tensors"])
-        plan = memplan.plan(shape, row["tensors"], eng, exl3)
+        plan = arithmetic.plan(shape, row["tensors"], eng, exl3)
         cap = plan["capacity"]
         t = plan["terms"]
         pairs = {
-            "weights_gib": round(memplan.loading_bytes(t) / GIB, 2),
+            "weights_gib": round(arithmetic.loading_bytes(t) / GIB, 2),
             "torch_peak_gib": t["activation_peak"]["gib"],
             "non_torch_gib": round(t["non_torch"]["gib"] + t["runner_buffers"]["gib"], 3),
             "cudagraph_gib": t["cudagraphs"]["gib"],

@@ -81,7 +81,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    from hybrid_exl3_fixes.exl3.dispatch import installed_kernel_libraries
+    from hybrid_exl3_fixes.decisions.exl3_kernels import installed_kernel_libraries
 
     kernels = ", ".join(p.name for p in installed_kernel_libraries())
     lines = [

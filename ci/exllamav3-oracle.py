@@ -78,7 +78,7 @@ def compare(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
 
 
 def step_read(work: Path) -> None:
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     for codebook in ("mcg", "mul1", "3inst"):
         tiny = work / f"tiny-{codebook}"
@@ -104,7 +104,7 @@ def step_read_aphrodite(work: Path) -> None:
 
 
 def step_convert(work: Path) -> None:
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     tiny = work / "tiny-mcg"
     if not (tiny / "manifest.json").exists():

@@ -14,14 +14,24 @@ import os
 import subprocess
 import sys
 
-from .aphrodite import _custom_ops as _p14
-from .aphrodite.lora import utils as _p11
-from .aphrodite.lora.layers import base_linear as _p2b
-from .aphrodite.lora.layers import fused_moe as _p5
-from .aphrodite.lora.layers import utils as _p2
-from .aphrodite.model_executor.layers.fused_moe.runner import shared_experts as _p6
-from .aphrodite.model_executor.layers.quantization import exl3 as _p1  # P1, P3, P4, P7, P8, P9, P10 and P12
-from .registry import DISABLE_ENV, Patch, Registry, Result, Status, logger
+from .aphrodite import _custom_ops as p14
+from .aphrodite.lora import utils as p11
+from .aphrodite.lora.layers import base_linear as p2b
+from .aphrodite.lora.layers import fused_moe as p5
+from .aphrodite.lora.layers import utils as p2
+from .aphrodite.model_executor.layers.fused_moe.runner import shared_experts as p6
+from .aphrodite.model_executor.layers.quantization.exl3 import (
+    p1_shard_ids,
+    p3_gemm_cache,
+    p4_fp16_cat,
+    p7_moe_graph,
+    p8_kernel_choice,
+    p9_moe_padding,
+    p10_moe_context,
+    p12_mid_batch,
+    p13_moe_expert_lora,
+)
+from .registry import DISABLE_ENV, Patch, Registry, Result, Status, in_apply_order, logger
 
 __all__ = [
     "PATCHES",
@@ -39,23 +49,29 @@ __all__ = [
 
 PLUGIN_NAME = "hybrid_exl3_fixes"
 
-PATCHES: list[Patch] = [
-    _p1.PATCH,
-    _p2.PATCH,
-    _p2b.PATCH,
-    _p1.PATCH_P3,
-    _p1.PATCH_P8,  # after P3: it chooses launches only for the shards P3 leaves on aphrodite's path
-    _p1.PATCH_P12,  # after P3 and P8 (0.20 - 0.23), whose wrapper it would wrap; alone on 0.24+
-    _p1.PATCH_P4,
-    _p5.PATCH,
-    _p6.PATCH,
-    _p1.PATCH_P9,  # before P7: P7's chunks then reach P9, each sanitised for its own size
-    _p1.PATCH_P7,
-    _p1.PATCH_P10,
-    _p1.PATCH_P13,  # after P10: the LoRA kernel is given once the layer's own load has finished
-    _p11.PATCH,
-    _p14.PATCH,
-]
+# every patch module's PATCH, in patch-id order; applied in that order but where a patch's ``after`` says otherwise
+PATCHES: list[Patch] = in_apply_order(
+    [
+        module.PATCH
+        for module in (
+            p1_shard_ids,
+            p2,
+            p2b,
+            p3_gemm_cache,
+            p4_fp16_cat,
+            p5,
+            p6,
+            p7_moe_graph,
+            p8_kernel_choice,
+            p9_moe_padding,
+            p10_moe_context,
+            p11,
+            p12_mid_batch,
+            p13_moe_expert_lora,
+            p14,
+        )
+    ]
+)
 REGISTRY = Registry(PATCHES)
 
 

@@ -148,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     try:
-        from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+        from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     except ImportError as exc:
         print(
             f"hybrid-exl3-fixes make-tiny: {exc.name or exc} is missing; make-tiny needs torch, safetensors and "
@@ -192,7 +192,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def make_full(args: argparse.Namespace) -> int:
     """Full-depth presets (issue 18): streamed layer by layer on the GPU, no dense twin."""
     try:
-        from hybrid_exl3_fixes.exl3.stream import full_spec, write_full
+        from hybrid_exl3_fixes.checkpoint.stream import full_spec, write_full
 
         device = args.device or "cuda"
         _check_device(device)
@@ -270,7 +270,7 @@ def cmd_stubs(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hybrid_exl3_fixes.doctor import Options, as_json, diagnose, render
-    from hybrid_exl3_fixes.memvision import mm_limits_plan
+    from hybrid_exl3_fixes.doctor.memory.vision import mm_limits_plan
 
     # every Options field from the flag of its name (two flags are spelled as the engine spells them)
     spelled = {"utilization": "gpu_memory_utilization", "prefix_caching": "enable_prefix_caching"}

@@ -157,6 +157,9 @@ class Patch:
     # exercising the fix (P3, P9, P10: the bug lives in a GPU kernel's inputs; the CPU suite and the GPU drop-ins
     # test the behaviour); the APPLIED result says so
     checks_tag_after_apply: bool = False
+    # the patches that must be applied before this one, each for a reason its docstring states (a later patch wraps
+    # what an earlier one installed on the same target, or reads what it set at load time)
+    after: tuple[str, ...] = ()
 
 
 # the statuses under which the engine runs without a fix and the user should hear of it
@@ -272,16 +275,6 @@ class Registry:
                 if now != kind:
                     raise Drift(f"{target.key} changed kind: now a {now}, the patch was written for a {kind}")
 
-    @staticmethod
-    def _tags(raw: Any) -> set[str]:
-        """The patch ids on ``raw`` and on every function it wraps (P7 wraps P9 on ``Exl3MoEMethod.apply``)."""
-        fn = raw
-        if isinstance(raw, (staticmethod, classmethod)):
-            fn = raw.__func__
-        elif isinstance(raw, property):
-            fn = raw.fget
-        return {getattr(f, MARKER) for f in wrapper_chain(fn) if getattr(f, MARKER, None) is not None}
-
     # -- apply / undo ---------------------------------------------------------------------
     def apply(self, patch: Patch) -> Result:
         done = self.results.get(patch.id)
@@ -302,7 +295,7 @@ class Registry:
             return Result(patch, Status.DRIFTED, str(exc))
         except BrokenInstall as exc:
             return Result(patch, Status.BROKEN_INSTALL, str(exc))
-        if all(patch.id in self._tags(item.raw) for item in live.values() if item.target.binds is None):
+        if all(patch.id in tags_of(item.raw) for item in live.values() if item.target.binds is None):
             return Result(patch, Status.APPLIED, "already patched in this process")
         try:
             has_bug = patch.probe(live)
@@ -409,6 +402,36 @@ class Registry:
         """Undo every applied patch, newest first; returns their ids in that order."""
         by_id = {patch.id: patch for patch in self.patches}
         return [patch_id for patch_id in reversed(self.applied_ids()) if self.undo(by_id[patch_id])]
+
+
+def in_apply_order(patches: list[Patch]) -> list[Patch]:
+    """``patches`` in the order they are applied: each after every patch its ``after`` names, otherwise in the order
+    given (patch-id order). ValueError for an ``after`` naming no patch of the list, or a cycle."""
+    ids = [p.id for p in patches]
+    unknown = sorted({a for p in patches for a in p.after} - set(ids))
+    if unknown:
+        raise ValueError(f"Patch.after names no known patch: {', '.join(unknown)}")
+    done: list[Patch] = []
+    left = list(patches)
+    while left:
+        ready = next((p for p in left if all(a in {d.id for d in done} for a in p.after)), None)
+        if ready is None:
+            raise ValueError(f"Patch.after has a cycle among {', '.join(p.id for p in left)}")
+        done.append(ready)
+        left.remove(ready)
+    return done
+
+
+def tags_of(raw: Any) -> set[str]:
+    """The ids of the patches whose replacement ``raw`` is, or wraps (a later patch wraps an earlier one's
+    replacement: P7 wraps P9 on ``Exl3MoEMethod.apply``). How a probe tells that its own patch, or one it must come
+    after, is in place; ``raw`` as the owner's ``__dict__`` holds it (a staticmethod, a property, a function)."""
+    fn = raw
+    if isinstance(raw, (staticmethod, classmethod)):
+        fn = raw.__func__
+    elif isinstance(raw, property):
+        fn = raw.fget
+    return {getattr(f, MARKER) for f in wrapper_chain(fn) if getattr(f, MARKER, None) is not None}
 
 
 def wrapper_chain(function: Any) -> list:

@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hybrid_exl3_fixes.registry import Drift, Live, Patch, Registry, Target, tag
+from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag, tags_of
 
 PARAMS = (
     "topk_ids",
@@ -84,7 +84,7 @@ def active_slots_first(lora_ids):
 
 def probe_align_grid(live: dict[str, Live]) -> bool:
     """True = the installed kernel library launches the align kernel over the first ``max_loras`` ids only."""
-    if "P14" in Registry._tags(live[ALIGN.key].raw):
+    if "P14" in tags_of(live[ALIGN.key].raw):
         return False
     library = moe_kernel_library()
     if library == FIXED_LIBRARY:

@@ -11,7 +11,7 @@ The memory plan counts what a hybrid model really holds:
   ``mamba_ssm_dtype`` says otherwise, as the engine's block size follows) plus the conv state
   ``(2 x key_dim + value_dim) x (conv_kernel - 1) x 2 bytes``;
 - weights exactly as stored (EXL3 trellis, scales and markers counted from the safetensors headers);
-- given ``--gpu-mem``, the engine's own arithmetic to its KV pool, tokens and concurrency (memplan.py).
+- given ``--gpu-mem``, the engine's own arithmetic to its KV pool, tokens and concurrency (arithmetic.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..exl3 import midbatch
-from ..memplan import Engine
+from ..decisions import p12_mid_batch as midbatch
 from .base import (
     COLUMN,
     COMPILED_CRASH_DOC,
@@ -57,7 +56,8 @@ from .engine_checks import (
 )
 from .exl3_checks import check_exl3, check_exl3_experts, codebook_of
 from .files import check_files, image_tokens, read_tensor_storage, read_weights, weight_files
-from .plan import kv_bytes_per_token, memory_plan, state_bytes_per_sequence
+from .memory.arithmetic import Engine
+from .memory.plan import kv_bytes_per_token, memory_plan, state_bytes_per_sequence
 from .shape import FIX_CONFIG, Shape, parse_config, read_config, text_config
 
 __all__ = [

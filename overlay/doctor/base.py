@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..memvision import DEFAULT_IMAGE_LIMIT
-from ..memvision import DEFAULT_LONGEST_EDGE as _PUBLISHED_LONGEST_EDGE
+from .memory.vision import DEFAULT_IMAGE_LIMIT
+from .memory.vision import DEFAULT_LONGEST_EDGE as _PUBLISHED_LONGEST_EDGE
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -51,7 +51,7 @@ class Options:
     prefix_caching: bool | None = None  # None: the release's default
     # --mamba-ssm-cache-dtype: auto keeps the config's mamba_ssm_dtype; any other value replaces it
     mamba_ssm_cache_dtype: str = "auto"
-    release: str | None = None  # None: the installed release, else memplan.NEWEST_RELEASE
+    release: str | None = None  # None: the installed release, else arithmetic.NEWEST_RELEASE
     check_overlay: bool = True
 
 

@@ -3,8 +3,8 @@ dtype, and EXL3 MoE (LoRA, CUDA graphs, the shared expert, padding ids, the rele
 
 from __future__ import annotations
 
-from .. import memplan
 from .base import COMPILED_CRASH_DOC, Report
+from .memory import arithmetic
 from .shape import Shape, parse_config
 
 
@@ -12,7 +12,7 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     """The dtype the engine computes in, and where it comes from: ``--dtype``, else the config's
     (aphrodite's ``auto``; a float32 or absent config dtype gives bfloat16 on a GPU that has it)."""
     if dtype != "auto":
-        return memplan.canonical_dtype(dtype), f"--dtype {dtype}"
+        return arithmetic.canonical_dtype(dtype), f"--dtype {dtype}"
     declared = shape.declared_dtype
     if declared in ("bfloat16", "float16"):
         return declared, f"config.json dtype {declared}"

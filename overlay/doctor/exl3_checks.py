@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..exl3 import HAD, splits_into_blocks
-from ..modelfiles import (
-    TORCH_DTYPE_NAMES,
-)
+from ..checkpoint import HAD, splits_into_blocks
 from .base import COLUMN, ROW, Report
 from .files import read_tensor_storage
+from .modelfiles import (
+    TORCH_DTYPE_NAMES,
+)
 from .shape import Shape
 
 
@@ -132,9 +132,9 @@ def check_exl3_experts(report: Report, exl3: dict[str, dict], tensors: dict) -> 
     experts = {p: codebook_of(p, e, tensors) for p, e in exl3.items() if ".experts." in p}
     if not experts:
         return
-    from ..exl3 import dispatch
+    from ..decisions import exl3_kernels as kernels
 
-    allowed, evidence = dispatch.moe_codebooks(dispatch.installed_kernel_libraries())
+    allowed, evidence = kernels.moe_codebooks(kernels.installed_kernel_libraries())
     rule = allowed or frozenset({"mcg"})
     found = sorted(set(experts.values()))
     wrong = sorted(p for p, cb in experts.items() if cb not in rule)

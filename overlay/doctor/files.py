@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..memvision import image_tokens as image_tokens_of
-from ..modelfiles import (
+from .base import DEFAULT_LONGEST_EDGE, KNOWN_ARCHS, PROCESSOR_FILES, TOKENIZER_SETS, Report
+from .memory.vision import image_tokens as image_tokens_of
+from .modelfiles import (
     Fields,
     Problem,
     describe,
@@ -13,7 +14,6 @@ from ..modelfiles import (
     read_json_object,
     read_safetensors_header,
 )
-from .base import DEFAULT_LONGEST_EDGE, KNOWN_ARCHS, PROCESSOR_FILES, TOKENIZER_SETS, Report
 from .shape import VISION_DEFAULTS, Shape
 
 

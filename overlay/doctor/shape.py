@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..modelfiles import (
+from .base import CONFIG_DTYPES, Report
+from .modelfiles import (
     Fields,
     Problem,
     describe,
     is_int,
     read_json_object,
 )
-from .base import CONFIG_DTYPES, Report
 
 
 def text_config(config: dict) -> dict:
@@ -170,7 +170,7 @@ def parse_config(config: dict) -> tuple[Shape, list[str]]:
     vision = top.object("vision_config")
     if vision is not None:
         v = Fields(vision, "config.json vision_config")
-        # the encoder's dimensions size the profiling run's vision term (memplan.vision_encoder); a field left out
+        # the encoder's dimensions size the profiling run's vision term (arithmetic.vision_encoder); a field left out
         # takes the published Qwen3.5/3.6 vision tower's value (VISION_DEFAULTS)
         shape.vision = {
             key: v.positive_int(name, required=False) or VISION_DEFAULTS[key] for key, name in VISION_FIELDS.items()

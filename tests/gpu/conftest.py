@@ -76,7 +76,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(workdir):
     """The default tiny checkpoint set: 4 bits, mcg, two adapters."""
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     dest = workdir / "tiny-mcg-4"
     if not (dest / "manifest.json").exists():

@@ -36,7 +36,8 @@ def main() -> None:
 
     from helpers import exl3_linear_layer
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
-    from hybrid_exl3_fixes.exl3 import codec, dispatch
+    from hybrid_exl3_fixes.checkpoint import codec
+    from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
 
     flags = p13.CODEBOOK_FLAGS
     weights: dict = {}
@@ -53,10 +54,10 @@ def main() -> None:
     def decoded(y, dense, x, own):
         errs = {cb: float((y.float() - x.float() @ w).norm() / (x.float() @ w).norm()) for cb, w in dense.items()}
         best = min(errs, key=errs.get)
-        return (best if errs[best] < dispatch.SAME else "?"), errs[own]
+        return (best if errs[best] < kernels.SAME else "?"), errs[own]
 
     props = torch.cuda.get_device_properties(0)
-    cc = dispatch.compute_class(props.major, props.minor)
+    cc = kernels.compute_class(props.major, props.minor)
     out = []
     for i, call in enumerate(case["calls"]):
         k, n, K, cb, rows, path = (call[f] for f in ("k", "n", "K", "codebook", "rows", "path"))
@@ -68,7 +69,7 @@ def main() -> None:
         elif path in ("gemm_fp32", "forced"):
             y = torch.empty(rows, n, dtype=torch.float32 if path == "gemm_fp32" else torch.float16, device="cuda")
             shape_idx, sms = (
-                dispatch.forced_launch(cc, k, n, K, props.multi_processor_count) if path == "forced" else (-1, 0)
+                kernels.forced_launch(cc, k, n, K, props.multi_processor_count) if path == "forced" else (-1, 0)
             )
             ops.exl3_gemm(x, t["trellis"], y, t["suh"], torch.empty_like(x), t["svh"], shape_idx, mcg, mul1, sms)
         elif path == "mgemm":

@@ -179,7 +179,7 @@ def test_layers_before_and_after(name, layers, record):
 def tiny_mixed(workdir):
     """Every projection of the tiny hybrid with the codebook after the previous one's (3inst, mcg,
     mul1, ...): many layers share a GEMM shape and bitrate with another codebook."""
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     dest = workdir / "tiny-mixed-4"
     if not (dest / "manifest.json").exists():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_exl3_fixes.exl3 import codec
+from hybrid_exl3_fixes.checkpoint import codec
 
 SHAPES = {"mcg": (256, 512), "mul1": (512, 256), "3inst": (384, 256)}
 

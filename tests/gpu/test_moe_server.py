@@ -49,7 +49,7 @@ BASE_PORT = 8200 + int(os.environ.get("HXF_PORT_OFFSET", "0"))  # two suites at 
 SERVED = "tiny-moe"
 ADAPTERS = ("lora-a", "lora-b")
 REFUSED = "targets the routed experts of EXL3 MoE layers"
-P13_ON = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"  # hybrid_exl3_fixes.exl3.moe_lora.ENABLE_ENV
+P13_ON = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"  # P13 module ENABLE_ENV
 EXPERTS_3D = ("lora-a", "lora-experts-3d")
 # The 35B-A3B-width checkpoint's pinned 2 GiB pool holds 992 Mamba state blocks; 0.24.1's default --max-num-seqs on a
 # big GPU is 1024, and it refuses to start with more sequences than blocks ("max_num_seqs (1024) exceeds available
@@ -212,7 +212,7 @@ def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
 @pytest.fixture(scope="session")
 def moe_models(workdir):
     """checkpoint name -> its folder, written on first use (the 35B-A3B-width one on the GPU)."""
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     def folder(name: str) -> Path:
         preset, sub, overrides = CHECKPOINTS[name]

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from helpers import exl3_linear_layer
-from hybrid_exl3_fixes.exl3 import codec, dispatch, midbatch
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p12_mid_batch as midbatch
 
 ROWS = (1, 16, 33, 48, 64, 100, 144, 145, 200, 256)
 MODULE = "aphrodite.model_executor.layers.quantization.exl3"
@@ -76,7 +78,7 @@ def test_a_routed_layer_answers_like_aphrodite(p12, kind, path, monkeypatch, rec
     exl3 = importlib.import_module(MODULE)
     record(f"P12 {path}, {kind}", eager=eager, compiled=compiled, entries=len(p12.ENTRIES))
     assert exl3._EXL3_AUTO_RECONSTRUCT_THRESHOLD == 144
-    assert eager < dispatch.SAME and compiled < dispatch.SAME, (eager, compiled)
+    assert eager < kernels.SAME and compiled < kernels.SAME, (eager, compiled)
 
 
 def test_the_measured_choice_answers_right(p12, record):
@@ -87,4 +89,4 @@ def test_the_measured_choice_answers_right(p12, record):
     record("P12 measured, down_proj 17408 x 5120, 3 bits", choice=midbatch.describe(picked, times), error=error)
     assert steps == picked and set(times) == set(midbatch.ROW_STEPS)
     assert all(set(at) == {midbatch.NATIVE, midbatch.REBUILD} for at in times.values())  # no opt-in: no kept
-    assert error < dispatch.SAME, error
+    assert error < kernels.SAME, error

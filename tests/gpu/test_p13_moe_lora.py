@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from hybrid_exl3_fixes.exl3 import codec, moe_lora
+from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p13_moe_expert_lora as moe_lora
+from hybrid_exl3_fixes.checkpoint import codec
 
 EXL3 = "aphrodite.model_executor.layers.quantization.exl3"
 TOLERANCE = 2e-2  # relative Frobenius error against float32 dense weights; the EXL3 kernels compute in float16

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from helpers import exl3_linear_layer
-from hybrid_exl3_fixes.exl3 import choice, codec, dispatch
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p8_kernel_choice as choice
 
 ROWS = (1, 2, 8, 9, 16, 17, 31, 32, 33)
 
@@ -37,10 +39,10 @@ def worst_error(fn, x_all, ref) -> dict:
 @pytest.fixture
 def p8(monkeypatch):
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p8_kernel_choice as module
-    from hybrid_exl3_fixes.exl3 import dispatch as d
+    from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
 
-    verdict, _ = d.classify_build(d.installed_kernel_libraries())
-    if verdict != d.CODEBOOK_BLIND:
+    verdict, _ = kernels.classify_build(kernels.installed_kernel_libraries())
+    if verdict != kernels.CODEBOOK_BLIND:
         pytest.skip(f"P8 applies where the launch comes from the sample tables (0.20 - 0.23); this build: {verdict}")
     monkeypatch.setattr(module, "CHOICES", {})
     monkeypatch.setattr(module, "_CHANGED", [])
@@ -57,13 +59,13 @@ def test_a_forced_launch_compiles_and_answers_right(p8, monkeypatch, record):
         return {rows: {(choice.NATIVE, 0): 100.0, launches[0]: 50.0} for rows in choice.ROW_STEPS}
 
     routed = p8.plan_layer(method, layer, prefer_heuristic)
-    launch = dispatch.forced_launch("hopper", 17408, 5120, 3, torch.cuda.get_device_properties(0).multi_processor_count)
+    launch = kernels.forced_launch("hopper", 17408, 5120, 3, torch.cuda.get_device_properties(0).multi_processor_count)
     assert routed == {None: tuple((rows, *launch) for rows in choice.ROW_STEPS)}
     eager = worst_error(lambda x: method.apply(layer, x), x_all, ref)
     compiled_fn = torch.compile(lambda x: method.apply(layer, x), fullgraph=True, dynamic=True)
     compiled = worst_error(compiled_fn, x_all, ref)
     record("P8 forced launch, 17408 x 5120, 3 bits", eager=max(eager.values()), compiled=max(compiled.values()))
-    assert max(eager.values()) < dispatch.SAME and max(compiled.values()) < dispatch.SAME, (eager, compiled)
+    assert max(eager.values()) < kernels.SAME and max(compiled.values()) < kernels.SAME, (eager, compiled)
 
 
 def test_the_measured_choice_answers_right(p8, record):
@@ -78,4 +80,4 @@ def test_the_measured_choice_answers_right(p8, record):
         max_rel_error=max(errors.values()),
     )
     assert set(times) == set(choice.ROW_STEPS) and all((choice.NATIVE, 0) in at for at in times.values())
-    assert max(errors.values()) < dispatch.SAME, errors
+    assert max(errors.values()) < kernels.SAME, errors

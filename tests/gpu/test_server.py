@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from harness import Reference, compare_served, served_chat_logprobs, served_completion
-from hybrid_exl3_fixes.exl3.tinyspec import GDN_GATE_TARGETS
+from hybrid_exl3_fixes.checkpoint.tinyspec import GDN_GATE_TARGETS
 from server import Server
 
 # max |d logprob| against HF + PEFT, every cell (at most 0.044 in any cell of runs 10 and 17, fp8 KV included:
@@ -191,7 +191,7 @@ def start_fleet(cells, build, base_port: int, workdir: Path) -> dict[str, Server
 def tiny(workdir):
     """The tiny checkpoint set in both dtypes (4 bits, mcg, two adapters; same seed, so the same weights
     up to the dtype of the unquantized tensors)."""
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     out = {}
     for dtype in ("bfloat16", "float16"):

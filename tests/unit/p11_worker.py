@@ -23,7 +23,7 @@ def exl3_head(vocab: int, hidden: int):
     from aphrodite.model_executor.layers.quantization import exl3
     from aphrodite.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from hybrid_exl3_fixes.exl3 import codec
+    from hybrid_exl3_fixes.checkpoint import codec
 
     head = ParallelLMHead(vocab, hidden, prefix="lm_head")
     del head.weight

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from hybrid_exl3_fixes.exl3 import codec
+from hybrid_exl3_fixes.checkpoint import codec
 
 
 def f16(bits: int) -> float:

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from helpers import APHRODITE_VERSION, HAS_APHRODITE, ROOT
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 from hybrid_exl3_fixes.compat import MOE_SERVING, SERVED
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
 CELL_START = {
     "compiled": "default compiled mode",

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 from hybrid_exl3_fixes.doctor import diagnose
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
 QWEN36_27B_TEXT = {  # the second deployment's model, as the issue gives it
     "num_hidden_layers": 64,
@@ -242,8 +242,8 @@ def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width):
     """Each --dtype aphrodite accepts (config/model.py ModelDType) gives a plan: ``float`` is float32 and ``half``
     float16, and the KV cache (``auto``) and the conv state are kept in that dtype, in the plan's figures and in its
     printed formula alike."""
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     args = ["doctor", str(tmp_path / "t" / "exl3"), "--language-model-only", "--gpu-mem", "24", "--dtype", dtype]
@@ -281,13 +281,12 @@ def test_every_flag_has_help():
 
 
 def test_status_lists_patches_by_number():
-    """status prints P1 .. P14 in number order, though the registry applies P8 and P12 before P4 (they wrap P3) and P9
-    before P7 (P7 wraps it)."""
+    """status prints P1 .. P14 in number order, though the registry applies P9 before P7 (P7 wraps it)."""
     import hybrid_exl3_fixes as overlay
     from hybrid_exl3_fixes.cli import patch_number
 
     ids = [p.id for p in overlay.PATCHES]
-    assert ids.index("P9") < ids.index("P7") and ids.index("P8") < ids.index("P4")  # the apply order
+    assert ids.index("P9") < ids.index("P7")  # the apply order (Patch.after)
     expected = ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "P14"]
     assert sorted(ids, key=patch_number) == expected
 
@@ -346,8 +345,8 @@ def test_doctor_patches_nothing_in_its_own_process(tiny):
 def test_p12s_kept_weights_are_planned_when_opted_in(tiny, monkeypatch):
     """HYBRID_EXL3_FIXES_EXL3_KEEP (P12's opt-in) adds the float16 copies of the EXL3 linear layers to the plan,
     inside "Model loading took", up to the budget; a bad value is a WARN and plans nothing."""
-    from hybrid_exl3_fixes import memplan
-    from hybrid_exl3_fixes.exl3 import midbatch
+    from hybrid_exl3_fixes.decisions import p12_mid_batch as midbatch
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     base = diagnose(tiny, gpu_mem=24, check_overlay=False)
     assert "exl3_kept_weights" not in base.plan["terms"]
@@ -358,7 +357,7 @@ def test_p12s_kept_weights_are_planned_when_opted_in(tiny, monkeypatch):
     trellis = [t for n, t in named if n.endswith(".trellis") and ".experts." not in n and not n.startswith("mtp.")]
     assert trellis and term["bytes"] == sum(2 * t["shape"][0] * 16 * t["shape"][1] * 16 for t in trellis)
     assert kept.plan["kv_pool_bytes"] == base.plan["kv_pool_bytes"] - term["bytes"]
-    assert "exl3_kept_weights" in memplan.LOADING_TERMS and levels(kept)["exl3-keep"] == "OK"
+    assert "exl3_kept_weights" in arithmetic.LOADING_TERMS and levels(kept)["exl3-keep"] == "OK"
     assert kept.plan["uncertainty"]["terms"]["exl3_kept_weights"]["low"] == term["bytes"]  # maybe none is kept
     monkeypatch.setenv(midbatch.KEEP_ENV, "0.001")
     assert diagnose(tiny, gpu_mem=24, check_overlay=False).plan["terms"]["exl3_kept_weights"]["bytes"] <= 2**30 // 1000

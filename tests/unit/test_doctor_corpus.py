@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 from hybrid_exl3_fixes.cli import EXIT_INTERNAL, main
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
 WRONG_VALUES = {
     "a string": "x",

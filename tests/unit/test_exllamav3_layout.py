@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / ".cache" / "exllamav3").glob("*/exllamav3"))

@@ -42,7 +42,7 @@ def test_the_previous_plan_was_far_off_on_a_24g_card():
 
 
 def test_batch_defaults_follow_the_gpu_size():
-    from hybrid_exl3_fixes.memplan import Engine, capture_sizes
+    from hybrid_exl3_fixes.doctor.memory.arithmetic import Engine, capture_sizes
 
     small, big = Engine(24), Engine(141)
     assert (small.max_num_batched_tokens, small.max_num_seqs) == (2048, 256)
@@ -52,8 +52,8 @@ def test_batch_defaults_follow_the_gpu_size():
 
 
 def test_doctor_json_carries_every_term(tmp_path, capsys):
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     args = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--language-model-only", "--gpu-mem", "24"]
@@ -75,8 +75,8 @@ def test_doctor_json_carries_every_term(tmp_path, capsys):
 
 
 def test_limit_mm_per_prompt_zero_is_text_only_and_bad_json_is_a_usage_error(tmp_path, capsys):
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--gpu-mem", "24"]
@@ -97,21 +97,21 @@ def test_the_plan_counts_the_mamba_blocks_the_engine_refused_with():
     """Run 14: the 27B at full depth with its pool pinned at 16 GiB stopped with "max_num_seqs (1024) exceeds
     available Mamba cache blocks (655)" (docs/gpu-runs/2026-12-01-run14/fulldepth/try1-contended/); at 28 GiB it
     served (its layout row above)."""
-    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     inputs = json.loads(
         (ROOT / "docs/gpu-runs/2026-12-01-run12/fulldepth/inputs-qwen3.6-27b-full-exl3.json").read_text()
     )
-    eng = memplan.Engine(139.8, max_model_len=832, language_model_only=True)
-    layout = memplan.kv_layout(report.shape_of(inputs["config.json"]), eng)
+    eng = arithmetic.Engine(139.8, max_model_len=832, language_model_only=True)
+    layout = arithmetic.kv_layout(report.shape_of(inputs["config.json"]), eng)
     logged = ROOT / "docs/gpu-runs/2026-12-01-run14/fulldepth/try1-contended/qwen3.6-27b-full-aphrodite-base.stdout"
     assert "exceeds available Mamba cache blocks (655)" in logged.read_text()
-    assert memplan.kv_capacity(layout, 16 << 30, 832)["blocks"] == 655 < eng.max_num_seqs
+    assert arithmetic.kv_capacity(layout, 16 << 30, 832)["blocks"] == 655 < eng.max_num_seqs
 
 
 def test_doctor_blocks_a_pool_with_fewer_cache_blocks_than_sequences_under_cuda_graphs(tmp_path, capsys):
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--language-model-only", "--gpu-mem", "24"]
@@ -138,8 +138,8 @@ def test_prefix_caching_holds_two_state_blocks_per_request_from_0_23(tmp_path):
     """0.23.0+ turn prefix caching on for hybrid models by default and with it the 'align' Mamba cache mode: each
     request holds two state blocks per state group (run 15's and run 17's 0.24.1 logs, run 10's 0.21.0 log
     with --enable-prefix-caching; rows above). doctor plans for the installed release, else 0.24.1."""
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.doctor import diagnose
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     folder = tmp_path / "t" / "exl3"
@@ -167,8 +167,8 @@ def test_mamba_ssm_cache_dtype_replaces_the_configs_state_dtype(tmp_path, capsys
     """--mamba-ssm-cache-dtype other than auto wins over the config's mamba_ssm_dtype (aphrodite models/config.py,
     Qwen3_5ForConditionalGenerationConfig); run 18's 27B pair (rows above) is the engine's own arithmetic.
     doctor plans the override as a checkpoint whose config says bfloat16."""
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "f32", TinySpec(), dense=False)
     write_tiny(tmp_path / "bf16", TinySpec(ssm_dtype="bfloat16"), dense=False)
@@ -201,10 +201,10 @@ def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
 def test_every_logged_pool_lies_in_the_plans_range(row):
     """Issue 34: the plan's uncertainty (the sum of its terms' bounds, overlay/membounds.py) covers the engine's
     own figure on every profiled row, and contains the plan's point estimate."""
-    from hybrid_exl3_fixes import memplan
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     shape = report.shape_of(row["config"])
-    plan = memplan.plan(shape, row["tensors"], row["engine"], any(n.endswith(".trellis") for n in row["tensors"]))
+    plan = arithmetic.plan(shape, row["tensors"], row["engine"], any(n.endswith(".trellis") for n in row["tensors"]))
     u, got = plan["uncertainty"], report.logged(row["text"])
     assert u["pool_bytes"][0] <= plan["available_kv_bytes"] <= u["pool_bytes"][1]
     assert u["pool_gib"][0] - 0.01 <= got["available_kv_gib"] <= u["pool_gib"][1] + 0.01, (u["pool_gib"], got)
@@ -212,9 +212,9 @@ def test_every_logged_pool_lies_in_the_plans_range(row):
 
 
 def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_range(tmp_path, capsys):
-    from hybrid_exl3_fixes import membounds
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.doctor.memory import bounds
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     plans = {}
@@ -225,7 +225,7 @@ def test_tp2_adds_nccls_connection_buffers_as_a_bound_and_doctor_prints_the_rang
     one, two = plans[1]["uncertainty"], plans[2]["uncertainty"]
     assert "nccl_buffers" not in plans[1]["terms"] and plans[2]["terms"]["nccl_buffers"]["bytes"] == 0
     # NCCL 2.30.7 src/init.cc: LL 512 KiB + LL128 4,915,200 B + SIMPLE 4 MiB per connection
-    assert membounds.NCCL_BUFFERS_PER_CONNECTION == 9_633_792
+    assert bounds.NCCL_BUFFERS_PER_CONNECTION == 9_633_792
     assert two["terms"]["nccl_buffers"]["high"] == 16 * 2 * 9_633_792
     assert (
         two["pool_minus_bytes"] >= sum(t["high"] for t in two["terms"].values()) > two["terms"]["nccl_buffers"]["high"]
@@ -245,7 +245,7 @@ RUN23 = ROOT / "docs" / "gpu-runs" / "2026-12-04-run23"
 @pytest.mark.parametrize("variant", ["aphrodite-0.24", "aphrodite-0.24-lora", "aphrodite-0.21", "aphrodite-0.21-lora"])
 def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, run):
     """The full-size 35B-A3B (40 EXL3 MoE layers of 256 experts): every layer's scratch buffers
-    (memplan.exl3_moe_scratch, 0.55 GiB on an H200) are inside the engine's "Model loading took" figure. Against
+    (arithmetic.exl3_moe_scratch, 0.55 GiB on an H200) are inside the engine's "Model loading took" figure. Against
     the four engines of runs 22 and 23 on one H200 (the logs in docs/gpu-runs/; run 23's were held out when the term
     was written), weights + LoRA buffers + load overhead + scratch is within 0.05 GiB of what each logged
     (13.94-14.0 GiB); without the scratch term the plan was 0.5 GiB under."""
@@ -253,8 +253,8 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, r
 
     from report import read_inputs  # bench/report.py
 
-    from hybrid_exl3_fixes import memplan
     from hybrid_exl3_fixes.doctor import parse_config
+    from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     inputs = read_inputs(RUN20 / "inputs-qwen3.6-35b-a3b-full-3bit-exl3.json.xz")
     text = (run / f"qwen3.6-35b-a3b-full-3bit-{variant}.log").read_text(errors="replace")
@@ -262,16 +262,16 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, r
     shape = parse_config(inputs["config.json"])[0]
     lora = variant.endswith("-lora")
     release = "0.21.0" if "0.21" in variant else "0.24.1"
-    eng = memplan.Engine(139.8, lora=lora, release=release, **report.COMPARE_ENGINE)
-    terms = memplan.plan(shape, inputs["tensors"], eng, True)["terms"]
-    loading = memplan.loading_bytes(terms)
-    assert abs(loading / memplan.GIB - logged) < 0.05, (loading / memplan.GIB, logged)
-    assert terms["exl3_moe_scratch"]["bytes"] / memplan.GIB > 0.5  # the term the earlier plan missed
+    eng = arithmetic.Engine(139.8, lora=lora, release=release, **report.COMPARE_ENGINE)
+    terms = arithmetic.plan(shape, inputs["tensors"], eng, True)["terms"]
+    loading = arithmetic.loading_bytes(terms)
+    assert abs(loading / arithmetic.GIB - logged) < 0.05, (loading / arithmetic.GIB, logged)
+    assert terms["exl3_moe_scratch"]["bytes"] / arithmetic.GIB > 0.5  # the term the earlier plan missed
 
 
 def published_vision_shape():
-    from hybrid_exl3_fixes.exl3.stream import full_spec
-    from hybrid_exl3_fixes.exl3.tinyspec import hf_config
+    from hybrid_exl3_fixes.checkpoint.stream import full_spec
+    from hybrid_exl3_fixes.checkpoint.tinyspec import hf_config
 
     return report.shape_of(hf_config(full_spec("qwen3.6-27b-full", vision="published")))
 
@@ -279,17 +279,17 @@ def published_vision_shape():
 def test_the_vision_term_restates_the_profiling_runs_encoder_budget():
     """memvision: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's largest size
     (16,384 tokens, 65,536 patches for the published processor) unless the batched-token budget holds more."""
-    from hybrid_exl3_fixes import memplan, memvision
+    from hybrid_exl3_fixes.doctor.memory import arithmetic, vision
 
     shape = published_vision_shape()
     assert shape.vision == dict(
         patch=16, merge=2, temporal=2, channels=3, depth=27, width=1152, intermediate=4304, heads=16, deepstack=0,
         out_hidden=5120,
     )  # fmt: skip
-    assert memvision.image_tokens(shape.vision) == 16384 and memvision.video_tokens(shape.vision) == 12288
+    assert vision.image_tokens(shape.vision) == 16384 and vision.video_tokens(shape.vision) == 12288
 
     def items(**engine):
-        return memvision.profiled_items(16384, memplan.Engine(141, **engine))
+        return vision.profiled_items(16384, arithmetic.Engine(141, **engine))
 
     assert items(max_model_len=65536) == 1  # budget max(8192, 16384): one image
     assert items(max_model_len=65536, max_num_batched_tokens=40000) == 2
@@ -301,28 +301,30 @@ def test_the_vision_term_is_the_encoders_excess_over_the_text_pass():
     """The held-out deployment's engine (issue 34: a 27B-shaped bfloat16 model, TP 4, three images a prompt,
     --max-num-batched-tokens 8192): the encoder's own peak over 65,536 patches is larger than the text pass's, so
     the term is the difference, where the earlier plan had only the encoder cache (84 MB)."""
-    from hybrid_exl3_fixes import memplan, memvision
+    from hybrid_exl3_fixes.doctor.memory import arithmetic, vision
 
     shape = published_vision_shape()
-    eng = memplan.Engine(23.5, tp=4, max_model_len=65536, max_num_seqs=8, max_num_batched_tokens=8192, image_limit=3)
+    eng = arithmetic.Engine(23.5, tp=4, max_model_len=65536, max_num_seqs=8, max_num_batched_tokens=8192, image_limit=3)
     tensors = {"model.language_model.w": {"bytes": 52 << 30}, "model.visual.w": {"bytes": 830 << 20}}
-    plan = memplan.plan(shape, tensors, eng, exl3=False)
+    plan = arithmetic.plan(shape, tensors, eng, exl3=False)
     text_peak = plan["terms"]["activation_peak"]["bytes"]
     n, w = 65536, 1152
     vit = n * 1536 * 2 + n * w * 2 + n * 2 * max(3 * w + 8 * w // 4, 2 * w + 2 * 4304 // 4)
-    assert memvision.vision_encoder(shape.vision, eng, text_peak)[2]["vit_peak"] == vit
+    assert vision.vision_encoder(shape.vision, eng, text_peak)[2]["vit_peak"] == vit
     assert plan["terms"]["vision_encoder"]["bytes"] == vit - text_peak > 16384 * 5120 * 2
-    assert 0.4 < plan["terms"]["vision_encoder"]["bytes"] / memplan.GIB < 0.7  # 0.52 GiB
-    text_only = memplan.plan(shape, tensors, memplan.Engine(**{**eng.__dict__, "language_model_only": True}), False)
+    assert 0.4 < plan["terms"]["vision_encoder"]["bytes"] / arithmetic.GIB < 0.7  # 0.52 GiB
+    text_only = arithmetic.plan(
+        shape, tensors, arithmetic.Engine(**{**eng.__dict__, "language_model_only": True}), False
+    )
     assert "vision_encoder" not in text_only["terms"]
     # images off, video on: the video's largest item (12,288 tokens) is profiled instead
-    video = memplan.plan(shape, tensors, memplan.Engine(**{**eng.__dict__, "image_limit": 0}), False)
+    video = arithmetic.plan(shape, tensors, arithmetic.Engine(**{**eng.__dict__, "image_limit": 0}), False)
     assert 0 < video["terms"]["vision_encoder"]["bytes"] < plan["terms"]["vision_encoder"]["bytes"]
 
 
 def test_doctor_reads_the_image_limit_and_the_processors_image_size(tmp_path, capsys):
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "t", TinySpec(), dense=False)
     base = ["doctor", str(tmp_path / "t" / "exl3"), "--json", "--gpu-mem", "24"]

@@ -58,7 +58,7 @@ def test_the_release_is_buggy_and_p10_wraps_the_load(overlay):
     wrapper = vars(exl3.Exl3MoEMethod)["process_weights_after_loading"]
     assert wrapper.__hybrid_exl3_fixes_patch__ == "P10" and wrapper is not original
     live = {p10().MOE_LOAD.key: overlay.REGISTRY._resolve(p10().MOE_LOAD)}
-    assert p10().PATCH_P10.probe(live) is False  # finds itself
+    assert p10().PATCH.probe(live) is False  # finds itself
     overlay.undo_all()
     assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is original
 

@@ -78,7 +78,7 @@ def test_the_probe_finds_its_own_fix_and_undo_restores(overlay):
 def test_the_stand_in_weight_holds_no_memory():
     import torch
 
-    from hybrid_exl3_fixes.standins import fake_exl3_layer
+    from hybrid_exl3_fixes.shared import fake_exl3_layer
 
     p11 = importlib.import_module(MODULE)
     head = p11.fake_exl3_head()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import APHRODITE_VERSION, needs_aphrodite
-from hybrid_exl3_fixes.exl3 import midbatch
+from hybrid_exl3_fixes.decisions import p12_mid_batch as midbatch
+from hybrid_exl3_fixes.registry import tags_of
 
 MODULE = "aphrodite.model_executor.layers.quantization.exl3"
 HAS_THRESHOLD = APHRODITE_VERSION not in (None, "0.20.0", "0.21.0", "0.22.0", "0.23.0")
@@ -127,7 +128,7 @@ def test_p12_applies_where_the_144_row_threshold_is(overlay, p12, monkeypatch):
         assert result.status.value == "APPLIED", result.reason
         exl3 = importlib.import_module(MODULE)
         assert exl3._EXL3_AUTO_RECONSTRUCT_THRESHOLD == 144  # the fact the write-up and the patch rely on
-        assert "P12" in overlay.REGISTRY._tags(vars(exl3.Exl3LinearMethod)["process_weights_after_loading"])
+        assert "P12" in tags_of(vars(exl3.Exl3LinearMethod)["process_weights_after_loading"])
     else:
         assert result.status.value == "NOT_APPLICABLE" and "0.24.0" in result.reason, result.reason
 

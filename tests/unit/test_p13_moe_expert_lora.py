@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import APHRODITE_VERSION, fused_moe_config, needs_aphrodite
-from hybrid_exl3_fixes.exl3 import moe_lora
+from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p13_moe_expert_lora as moe_lora
+from hybrid_exl3_fixes.registry import tags_of
 
 HAS_MIXIN = APHRODITE_VERSION not in (None, "0.20.0")
 EXL3 = "aphrodite.model_executor.layers.quantization.exl3"
@@ -38,7 +39,7 @@ def test_p13_applies_where_the_lora_experts_mixin_is(overlay, monkeypatch):
     result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
     if HAS_MIXIN:
         assert result.status.value == "APPLIED", result.reason
-        assert "P13" in overlay.REGISTRY._tags(vars(exl3.Exl3MoEMethod)["process_weights_after_loading"])
+        assert "P13" in tags_of(vars(exl3.Exl3MoEMethod)["process_weights_after_loading"])
         overlay.undo_all()
         assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
     else:

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from helpers import APHRODITE_VERSION, ROOT, by_id, exl3_linear_layer, needs_aphrodite, run_status
-from hybrid_exl3_fixes.exl3 import codec, dispatch
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p3_gemm_cache as p3_plan
 
 KERNELS = ROOT / ".cache" / "aphrodite-kernels"
 # Where each release keeps its EXL3 GEMM and what its dispatch is (read from the wheels: 0.22.0 moved
@@ -25,7 +27,7 @@ LIBRARY = {
     "0.24.0": "_C_stable_libtorch.abi3.so",
     "0.24.1": "_C_stable_libtorch.abi3.so",
 }
-BLIND, KEYED = dispatch.CODEBOOK_BLIND, dispatch.CODEBOOK_KEYED
+BLIND, KEYED = kernels.CODEBOOK_BLIND, kernels.CODEBOOK_KEYED
 EXPECTED = {"0.20.0": BLIND, "0.21.0": BLIND, "0.22.0": BLIND, "0.23.0": BLIND, "0.24.0": KEYED, "0.24.1": KEYED}
 
 
@@ -43,7 +45,7 @@ def kernel_library(version: str) -> Path:
 
 @pytest.mark.parametrize("version", sorted(EXPECTED))
 def test_kernel_dispatch_is_read_from_the_real_binaries(version):
-    verdict, evidence = dispatch.classify_build([kernel_library(version)])
+    verdict, evidence = kernels.classify_build([kernel_library(version)])
     assert verdict == EXPECTED[version], evidence
 
 
@@ -51,11 +53,11 @@ def test_library_without_exl3_and_non_elf_files(tmp_path):
     no_exl3 = KERNELS / "0.21.0" / "aphrodite" / "_C_stable_libtorch.abi3.so"
     if not no_exl3.is_file():
         pytest.skip(f"{no_exl3} not unpacked")
-    assert dispatch.classify_build([no_exl3])[0] is None
+    assert kernels.classify_build([no_exl3])[0] is None
     text = tmp_path / "_C.abi3.so"
     text.write_text("not a library")
-    with pytest.raises(dispatch.KernelLibraryError, match="not a 64-bit little-endian ELF"):
-        dispatch.classify_library(text)
+    with pytest.raises(kernels.KernelLibraryError, match="not a 64-bit little-endian ELF"):
+        kernels.classify_library(text)
 
 
 def test_library_with_an_unknown_exl3_dispatch_is_drift(tmp_path):
@@ -63,9 +65,9 @@ def test_library_with_an_unknown_exl3_dispatch_is_drift(tmp_path):
     blind symbol's name overwritten (same length, so the ELF stays valid)."""
     lib = tmp_path / "_C.abi3.so"
     data = kernel_library("0.21.0").read_bytes()
-    lib.write_bytes(data.replace(dispatch.BLIND_SYMBOL, dispatch.BLIND_SYMBOL.replace(b"new", b"xyz")))
-    verdict, evidence = dispatch.classify_build([lib])
-    assert verdict == dispatch.UNKNOWN_DISPATCH and "neither" in evidence
+    lib.write_bytes(data.replace(kernels.BLIND_SYMBOL, kernels.BLIND_SYMBOL.replace(b"new", b"xyz")))
+    verdict, evidence = kernels.classify_build([lib])
+    assert verdict == kernels.UNKNOWN_DISPATCH and "neither" in evidence
 
 
 # -- the registry entry, in fresh processes ------------------------------------------------------
@@ -89,7 +91,7 @@ def test_status_with_the_real_kernel_library(aphrodite_copy):
     (aphrodite_copy / "aphrodite" / lib.name).symlink_to(lib)
     code, report = run_status(aphrodite_copy)
     p = by_id(report)
-    want = "APPLIED" if EXPECTED[APHRODITE_VERSION] == dispatch.CODEBOOK_BLIND else "UPSTREAM_FIXED"
+    want = "APPLIED" if EXPECTED[APHRODITE_VERSION] == kernels.CODEBOOK_BLIND else "UPSTREAM_FIXED"
     assert p["P3"]["status"] == want, p["P3"]
     assert all(p[i]["status"] in ("APPLIED", "UPSTREAM_FIXED") for i in ("P1", "P2", "P2b")), p
     assert code == 0
@@ -104,10 +106,10 @@ def test_probe_and_apply_in_process(overlay, monkeypatch):
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
 
     version = APHRODITE_VERSION if APHRODITE_VERSION in EXPECTED else "0.21.0"
-    monkeypatch.setattr(dispatch, "installed_kernel_libraries", lambda: [kernel_library(version)])
+    monkeypatch.setattr(kernels, "installed_kernel_libraries", lambda: [kernel_library(version)])
     original = vars(exl3.Exl3LinearMethod)["process_weights_after_loading"]
-    result = overlay.REGISTRY.apply(p13.PATCH_P3)
-    if EXPECTED[version] == dispatch.CODEBOOK_KEYED:
+    result = overlay.REGISTRY.apply(p13.PATCH)
+    if EXPECTED[version] == kernels.CODEBOOK_KEYED:
         assert result.status.value == "UPSTREAM_FIXED"
         assert vars(exl3.Exl3LinearMethod)["process_weights_after_loading"] is original
         return
@@ -120,7 +122,7 @@ def test_probe_and_apply_in_process(overlay, monkeypatch):
 
 # -- the load-time plan ---------------------------------------------------------------------------
 
-BLIND = dispatch.ProbeVerdict(True, True, "test")
+BLIND = p3_plan.ProbeVerdict(True, True, "test")
 
 
 @pytest.fixture
@@ -129,7 +131,7 @@ def plan(monkeypatch):
     pytest.importorskip("aphrodite.model_executor.layers.quantization.exl3", reason="needs aphrodite")
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p13
 
-    monkeypatch.setattr(p13, "PLANNER", dispatch.Planner())
+    monkeypatch.setattr(p13, "PLANNER", p3_plan.Planner())
     monkeypatch.setattr(p13, "_warned", False)
     return p13
 
@@ -165,7 +167,7 @@ def test_second_codebook_on_a_key_is_routed_and_warned_once(plan, caplog):
         if routes[-1]:
             assert vars(method)["_apply_one"].__func__ is plan._routed_apply_one
     assert [bool(r) for r in routes] == [False, True, True, False, True]
-    assert routes[1][None] == dispatch.forced_launch("hopper", 512, 256, 4, 132)
+    assert routes[1][None] == kernels.forced_launch("hopper", 512, 256, 4, 132)
     assert plan.PLANNER.owners[(512, 256, 4)][0] == "mcg"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "model.layers.1.mlp.down_proj" in warnings[0].getMessage()
@@ -198,7 +200,7 @@ def test_conflicting_q_of_a_fused_qkv_unfuses_k_and_v(plan):
 
 
 def test_planning_is_a_no_op_when_the_probe_finds_no_bug(plan):
-    for verdict in (dispatch.ProbeVerdict(False, True, "keyed"), dispatch.ProbeVerdict(None, True, "unclear")):
+    for verdict in (p3_plan.ProbeVerdict(False, True, "keyed"), p3_plan.ProbeVerdict(None, True, "unclear")):
         for i, cb in enumerate(("mcg", "mul1")):
             method, layer = loaded(plan, f"model.layers.{i}.mlp.down_proj", {None: linear(cb)})
             assert plan.plan_layer(method, layer, verdict) == {}
@@ -206,7 +208,7 @@ def test_planning_is_a_no_op_when_the_probe_finds_no_bug(plan):
 
 
 def test_wrong_uncached_launch_falls_back_to_reconstruct(plan):
-    verdict = dispatch.ProbeVerdict(True, False, "forced launch wrong")
+    verdict = p3_plan.ProbeVerdict(True, False, "forced launch wrong")
     for i, cb in enumerate(("mcg", "mul1")):
         method, layer = loaded(plan, f"model.layers.{i}.mlp.down_proj", {None: linear(cb)})
         routes = plan.plan_layer(method, layer, verdict)
@@ -226,7 +228,7 @@ def test_any_load_order_leaves_one_codebook_per_key_on_the_cached_path():
         ("e", (512, 256, 4), "mcg"),
     ]
     for order in itertools.permutations(layers):
-        planner = dispatch.Planner()
+        planner = p3_plan.Planner()
         native = {}
         for name, key, cb in order:
             if planner.claim(key, cb, name) is None:
@@ -240,15 +242,15 @@ def test_any_load_order_leaves_one_codebook_per_key_on_the_cached_path():
 
 def test_read_probe():
     right = {"forced_3inst": 5e-4, "forced_mcg": 5e-4, "forced_mul1": 5e-4}
-    blind = dispatch.read_probe({"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right})
+    blind = p3_plan.read_probe({"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right})
     assert blind.codebook_blind is True and blind.forced_ok
-    keyed = dispatch.read_probe({"first": 5e-4, "second": 6e-4, "second_vs_first": 1.6, **right})
+    keyed = p3_plan.read_probe({"first": 5e-4, "second": 6e-4, "second_vs_first": 1.6, **right})
     assert keyed.codebook_blind is False
-    odd = dispatch.read_probe({"first": 5e-4, "second": 0.3, "second_vs_first": 0.3, **right})
+    odd = p3_plan.read_probe({"first": 5e-4, "second": 0.3, "second_vs_first": 0.3, **right})
     assert odd.codebook_blind is None and "neither" in odd.detail
-    broken = dispatch.read_probe({"first": 1.2, "second": 1.6, "second_vs_first": 5e-4, **right})
+    broken = p3_plan.read_probe({"first": 1.2, "second": 1.6, "second_vs_first": 5e-4, **right})
     assert broken.codebook_blind is None
-    wrong_forced = dispatch.read_probe(
+    wrong_forced = p3_plan.read_probe(
         {"first": 5e-4, "second": 1.6, "second_vs_first": 5e-4, **right, "forced_mul1": 1.6}
     )
     assert wrong_forced.codebook_blind is True and not wrong_forced.forced_ok
@@ -260,17 +262,17 @@ def test_read_probe():
 )
 @pytest.mark.parametrize("K", [2, 3, 4, 8])
 def test_forced_launch_tiles_the_layer(cc, k, n, K):
-    shape, sms = dispatch.forced_launch(cc, k, n, K, 132)
-    assert dispatch.shape_fits(shape, k, n)
-    assert 1 <= sms <= min(132, (k // dispatch.TILE_K[shape]) * (n // dispatch.TILE_N[shape]))
+    shape, sms = kernels.forced_launch(cc, k, n, K, 132)
+    assert kernels.shape_fits(shape, k, n)
+    assert 1 <= sms <= min(132, (k // kernels.TILE_K[shape]) * (n // kernels.TILE_N[shape]))
 
 
 def test_forced_launch_for_untileable_output():
-    assert dispatch.forced_launch("hopper", 256, 200, 4, 132) is None
+    assert kernels.forced_launch("hopper", 256, 200, 4, 132) is None
 
 
 def test_compute_class():
-    assert [dispatch.compute_class(*cc) for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)]] == [
+    assert [kernels.compute_class(*cc) for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)]] == [
         "ampere",
         "ampere",
         "ada",
@@ -316,8 +318,8 @@ def test_undo_resets_what_p3_changed_at_load(plan):
     method, layer = loaded(plan, "model.layers.3.self_attn.qkv_proj", qkv)
     assert plan.plan_layer(method, layer, BLIND) and not layer.exl3_can_mgemm and "_apply_one" in vars(method)
     plan.VERDICTS[0] = BLIND
-    assert plan.PATCH_P3.on_undo is plan.reset_state
-    plan.PATCH_P3.on_undo()
+    assert plan.PATCH.on_undo is plan.reset_state
+    plan.PATCH.on_undo()
     assert layer.exl3_can_mgemm and "_apply_one" not in vars(method) and not hasattr(layer, "hxf_exl3_routes")
     assert plan.PLANNER.owners == {} and plan.VERDICTS == {} and plan._warned is False and plan._CHANGED == []
 

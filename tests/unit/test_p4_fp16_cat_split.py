@@ -72,7 +72,7 @@ def test_overlay_joins_float16_shards_behind_an_op_boundary(overlay):
     layer = fused_gdn_layer(exl3, method)
     x = torch.empty(2, 3, 256, dtype=torch.float16, device="meta")
     before = method.apply(layer, x)
-    result = overlay.REGISTRY.apply(p4.PATCH_P4)
+    result = overlay.REGISTRY.apply(p4.PATCH)
     assert result.status.value == "APPLIED", result.reason
     ops = p4.ops_of_fp16_fused_apply(exl3.Exl3LinearMethod.apply)
     assert "hybrid_exl3_fixes.cat_last_dim.default" in ops and "aten.cat.default" not in ops

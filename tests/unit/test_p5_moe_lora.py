@@ -18,7 +18,7 @@ pytestmark = needs_aphrodite
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     dest = tmp_path_factory.mktemp("p5") / "m"
     write_tiny(dest, TinySpec.preset("tiny-moe"), dense=False)

@@ -37,7 +37,7 @@ def live_apply(overlay):
 def test_the_release_skips_the_fallback_while_capturing(overlay):
     """The real apply calls ops.exl3_moe and then returns from a capture branch (the bug)."""
     overlay.undo_all()
-    assert p7().PATCH_P7.probe(live_apply(overlay)) is True
+    assert p7().PATCH.probe(live_apply(overlay)) is True
 
 
 def test_p7_wraps_the_real_method_and_undo_restores_it(overlay):
@@ -49,7 +49,7 @@ def test_p7_wraps_the_real_method_and_undo_restores_it(overlay):
     wrapper = vars(exl3.Exl3MoEMethod)["apply"]
     assert wrapper is not original and wrapper_chain(wrapper)[-1] is original  # P9 between them on 0.23+
     assert wrapper.__hybrid_exl3_fixes_patch__ == "P7"
-    assert p7().PATCH_P7.probe(live_apply(overlay)) is False  # re-probed: its chunks are safe
+    assert p7().PATCH.probe(live_apply(overlay)) is False  # re-probed: its chunks are safe
     overlay.undo_all()
     assert vars(exl3.Exl3MoEMethod)["apply"] is original
 

@@ -12,7 +12,10 @@ import torch
 from test_p3_gemm_cache import EXPECTED, kernel_library
 
 from helpers import APHRODITE_VERSION, exl3_linear_layer, needs_aphrodite
-from hybrid_exl3_fixes.exl3 import choice, codec, dispatch
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p3_gemm_cache as p3_plan
+from hybrid_exl3_fixes.decisions import p8_kernel_choice as choice
 
 NATIVE = (choice.NATIVE, 0)
 
@@ -22,10 +25,10 @@ NATIVE = (choice.NATIVE, 0)
 
 def test_candidates_start_with_p3s_launch_and_all_tile_the_layer():
     found = choice.candidates("hopper", 17408, 5120, 3, 132)
-    assert found[0] == dispatch.forced_launch("hopper", 17408, 5120, 3, 132)
+    assert found[0] == kernels.forced_launch("hopper", 17408, 5120, 3, 132)
     assert len(found) == len(set(found)) >= 4
     for shape, sms in found:
-        assert dispatch.shape_fits(shape, 17408, 5120) and 1 <= sms <= 132
+        assert kernels.shape_fits(shape, 17408, 5120) and 1 <= sms <= 132
     assert (found[0][0], 66) in found  # half the SMs of the heuristic's shape
     assert choice.candidates("hopper", 256, 200, 4, 132) == []
 
@@ -82,11 +85,11 @@ def test_probe_and_apply_in_process(overlay, monkeypatch):
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p8_kernel_choice as p8
 
     version = APHRODITE_VERSION if APHRODITE_VERSION in EXPECTED else "0.21.0"
-    monkeypatch.setattr(dispatch, "installed_kernel_libraries", lambda: [kernel_library(version)])
+    monkeypatch.setattr(kernels, "installed_kernel_libraries", lambda: [kernel_library(version)])
     original = vars(exl3.Exl3LinearMethod)["process_weights_after_loading"]
-    p3_result = overlay.REGISTRY.apply(p3.PATCH_P3)
-    result = overlay.REGISTRY.apply(p8.PATCH_P8)
-    if EXPECTED[version] == dispatch.CODEBOOK_KEYED:
+    p3_result = overlay.REGISTRY.apply(p3.PATCH)
+    result = overlay.REGISTRY.apply(p8.PATCH)
+    if EXPECTED[version] == kernels.CODEBOOK_KEYED:
         assert result.status.value == "UPSTREAM_FIXED" and p3_result.status.value == "UPSTREAM_FIXED"
         assert vars(exl3.Exl3LinearMethod)["process_weights_after_loading"] is original
         return
@@ -94,7 +97,7 @@ def test_probe_and_apply_in_process(overlay, monkeypatch):
     patched = vars(exl3.Exl3LinearMethod)["process_weights_after_loading"]
     assert patched.__wrapped__.__wrapped__ is original  # P8 around P3 around aphrodite's
     # applying again changes nothing; both probes see their fix in place (P3's under P8's wrapper)
-    assert overlay.REGISTRY.apply(p8.PATCH_P8) is result
+    assert overlay.REGISTRY.apply(p8.PATCH) is result
     live = {p3.PROCESS_WEIGHTS.key: overlay.REGISTRY._resolve(p3.PROCESS_WEIGHTS)}
     assert not p3.probe_codebook_blind_gemm_cache(live) and not p8.probe_table_kernel_choice(live)
     overlay.undo_all()
@@ -106,7 +109,7 @@ def test_switched_off_by_name(overlay, monkeypatch):
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p8_kernel_choice as p8
 
     monkeypatch.setenv("HYBRID_EXL3_FIXES_DISABLE", "P8")
-    assert overlay.REGISTRY.apply(p8.PATCH_P8).status.value == "DISABLED"
+    assert overlay.REGISTRY.apply(p8.PATCH).status.value == "DISABLED"
 
 
 # -- the load-time plan ---------------------------------------------------------------------------
@@ -122,7 +125,7 @@ def p8(monkeypatch):
 
     monkeypatch.setattr(module, "CHOICES", {})
     monkeypatch.setattr(module, "_CHANGED", [])
-    monkeypatch.setattr(p3, "PLANNER", dispatch.Planner())
+    monkeypatch.setattr(p3, "PLANNER", p3_plan.Planner())
     monkeypatch.setattr(p3, "_warned", False)
     return module
 
@@ -159,7 +162,7 @@ def test_a_slower_native_launch_is_replaced_once_per_shape(p8, caplog):
         method, layer = loaded(f"model.layers.{i}.mlp.down_proj", {None: linear("mcg")})
         routed.append(p8.plan_layer(method, layer, timer, DEVICE))
         assert vars(method)["_apply_one"].__func__ is p8._chosen_apply_one
-    launch = dispatch.forced_launch("hopper", 512, 256, 4, 132)
+    launch = kernels.forced_launch("hopper", 512, 256, 4, 132)
     assert routed[0] == {None: tuple((rows, *launch) for rows in choice.ROW_STEPS)} and routed[1:] == routed[:2]
     assert len(timer.calls) == 1  # measured for the first layer of the shape, reused for the rest
     lines = [r.getMessage() for r in caplog.records if "P8 on cuda:0" in r.getMessage()]
@@ -198,22 +201,22 @@ def test_p3s_routes_stay_and_the_other_shards_are_chosen(p8):
     from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import p3_gemm_cache as p3
 
     method, layer = loaded("model.layers.0.mlp.down_proj", {None: linear("mcg", 256, 512)})
-    p3.plan_layer(method, layer, dispatch.ProbeVerdict(True, True, "test"))  # mcg owns (256, 512, 4)
+    p3.plan_layer(method, layer, p3_plan.ProbeVerdict(True, True, "test"))  # mcg owns (256, 512, 4)
     method, layer = loaded(
         "model.layers.1.linear_attn.in_proj_ba", {0: linear("mul1", 256, 512), 1: linear("mcg", 256, 384)}
     )
-    assert p3.plan_layer(method, layer, dispatch.ProbeVerdict(True, True, "test")) and "_apply_one" in vars(method)
+    assert p3.plan_layer(method, layer, p3_plan.ProbeVerdict(True, True, "test")) and "_apply_one" in vars(method)
     p3_apply = vars(method)["_apply_one"]
     timer = Timer(0.8)
     assert list(p8.plan_layer(method, layer, timer, DEVICE)) == [1]
     assert [c[0] for c in timer.calls] == [(16, 24, 64)]
     seen = []
-    p3_routed = p3._routed_apply_one
+    p3_routed = p8._routed_apply_one  # P3's routed path, which P8 calls for the shards P3 routed (shared.py)
     try:
-        p3._routed_apply_one = lambda self, layer, x, shard: seen.append(("p3", shard))
+        p8._routed_apply_one = lambda self, layer, x, shard: seen.append(("p3", shard))
         method._apply_one(layer, torch.zeros(1, 256), 0)
     finally:
-        p3._routed_apply_one = p3_routed
+        p8._routed_apply_one = p3_routed
     assert seen == [("p3", 0)]
     p8.reset_state()
     assert vars(method)["_apply_one"] is p3_apply and not hasattr(layer, "hxf_exl3_chosen") and p8.CHOICES == {}
@@ -225,14 +228,14 @@ def test_a_chosen_shard_calls_the_chosen_op_with_its_steps(p8, monkeypatch):
     calls = []
     monkeypatch.setattr(p8, "chosen_linear", lambda: lambda *args: calls.append(args[4:]))
     method._apply_one(layer, torch.zeros(1, 512), None)
-    launch = dispatch.forced_launch("hopper", 512, 256, 4, 132)
+    launch = kernels.forced_launch("hopper", 512, 256, 4, 132)
     assert calls == [(False, True, list(choice.ROW_STEPS), [launch[0]] * 4, [launch[1]] * 4)]
 
 
 def test_a_failing_measurement_keeps_aphrodites_path(overlay, p8, caplog, monkeypatch):
     """The wrapper P8 installs never fails a load: a measurement that raises is logged and the layer keeps its
     path (the real wrapper around a stand-in original, fake inputs only)."""
-    from hybrid_exl3_fixes.aphrodite.model_executor.layers.quantization.exl3 import common
+    from hybrid_exl3_fixes import shared as common
 
     def broken(*args):
         raise RuntimeError("no kernel for this shape")

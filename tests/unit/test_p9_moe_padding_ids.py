@@ -70,7 +70,7 @@ def call_apply(x, weights, ids, the_layer):
 def test_the_release_cannot_count_a_padding_row(overlay):
     """The real apply, unpatched, fails on the expert count (on the GPU: the device-side assert of run 15)."""
     overlay.undo_all()
-    assert p9().PATCH_P9.probe(live_apply(overlay)) is True
+    assert p9().PATCH.probe(live_apply(overlay)) is True
     message = call_apply(*padded_batch(), fake_exl3_moe_layer())
     assert "out of bounds" in message, message
     real_rows_only = padded_batch(rows=5, real=5)  # the same call without padding rows gets past the count
@@ -90,7 +90,7 @@ def test_p9_lets_the_padding_rows_through_and_undo_restores_the_release(overlay)
     # P7 outermost (it chunks captured batches), P9 under it (each chunk sanitised for its own size), then the release
     assert [getattr(f, "__hybrid_exl3_fixes_patch__", None) for f in chain] == ["P7", "P9", None]
     assert chain[-1] is original
-    assert p9().PATCH_P9.probe(live_apply(overlay)) is False  # it finds itself under P7
+    assert p9().PATCH.probe(live_apply(overlay)) is False  # it finds itself under P7
     # (P7's wrapper asks is_current_stream_capturing first, which a CPU-only torch refuses: the next test
     # calls P9 with P7 switched off)
     overlay.undo_all()

@@ -45,7 +45,7 @@ def gdn_in_proj_qkv(exl3, method):
 
 def exl3_base_layer():
     """A loaded EXL3 linear as the LoRA wrapper sees it (fake input: placeholders + one shard)."""
-    from hybrid_exl3_fixes.standins import fake_exl3_layer
+    from hybrid_exl3_fixes.shared import fake_exl3_layer
 
     layer = fake_exl3_layer()
     layer.input_size, layer.tp_size, layer.tp_rank = 256, 1, 0
@@ -169,15 +169,15 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P1", "APPLIED"),
         ("P2", "APPLIED"),
         ("P2b", "APPLIED"),
-        ("P12", "NOT_APPLICABLE"),  # 0.20/0.21 rebuild above 32 rows (test_p12_mid_batch.py)
         ("P4", "APPLIED"),
         ("P5", "APPLIED"),
         ("P6", "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.20.0" else "APPLIED"),
         ("P9", "NOT_APPLICABLE"),  # 0.20/0.21 never give padding rows expert id -1; applied before P7 (it wraps P9)
         ("P7", "APPLIED"),
         ("P10", "NOT_APPLICABLE"),  # 0.20/0.21 route every warm-up row to a real expert
-        ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P11", "APPLIED"),
+        ("P12", "NOT_APPLICABLE"),  # 0.20/0.21 rebuild above 32 rows (test_p12_mid_batch.py)
+        ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_moe_lora_align.py)
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
@@ -288,7 +288,7 @@ def test_fixed_release_is_left_alone(overlay):
     # layer still gets upstream's own answer
     assert results["P2"].status.value == "APPLIED", results["P2"].reason
     assert utils._get_lora_device is base_linear._get_lora_device is fused_moe._get_lora_device is not before[1]
-    from hybrid_exl3_fixes.standins import fake_exl3_layer
+    from hybrid_exl3_fixes.shared import fake_exl3_layer
 
     def outcome(fn, layer):
         try:
@@ -341,7 +341,7 @@ def test_p2_gives_exl3_moe_layers_their_device_on_every_release(overlay, routed_
     from aphrodite.lora.layers import base_linear, fused_moe, utils
 
     from hybrid_exl3_fixes.aphrodite.lora.layers.utils import PATCH
-    from hybrid_exl3_fixes.standins import fake_exl3_moe_layer
+    from hybrid_exl3_fixes.shared import fake_exl3_moe_layer
 
     layer = fake_exl3_moe_layer("meta", routed_experts=routed_experts)
     with pytest.raises(ValueError, match="^Unsupported base layer"):  # unpatched: every release rejects it

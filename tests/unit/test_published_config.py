@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_exl3_fixes.exl3.stream import FULL_PRESETS, full_spec
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
-from hybrid_exl3_fixes.exl3.tinyspec import PRESETS, hf_config
+from hybrid_exl3_fixes.checkpoint.stream import FULL_PRESETS, full_spec
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+from hybrid_exl3_fixes.checkpoint.tinyspec import PRESETS, hf_config
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "data" / "published"
 

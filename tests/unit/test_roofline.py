@@ -43,7 +43,7 @@ def test_roofline_speed_falls_per_request_and_rises_in_total(nine_b):
 
 
 def test_moe_reads_only_the_routed_experts(tmp_path):
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "m", TinySpec.preset("tiny-moe"), dense=False)
     shape, tensors = roofline.load(tmp_path / "m" / "exl3")

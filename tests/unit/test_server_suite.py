@@ -158,7 +158,7 @@ def test_expert_adapter_deltas_land_on_transformers_fused_expert_weights(tmp_pat
     from transformers import AutoConfig
 
     from harness import expert_lora, without_experts
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     spec = TinySpec.preset("tiny-moe")
     write_tiny(tmp_path / "m", spec)
@@ -228,7 +228,7 @@ def test_the_merged_expert_reference_is_what_peft_computes_for_the_same_deltas(t
     both on the tiny MoE's dense twin in float32 on the CPU; and the merge undone after each use."""
     pytest.importorskip("peft", reason="peft is the reference the GPU suite compares against")
     from harness import Reference
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     spec = TinySpec.preset("tiny-moe")
     write_tiny(tmp_path / "m", spec)

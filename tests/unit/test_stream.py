@@ -9,8 +9,8 @@ import pytest
 from safetensors import safe_open
 
 from helpers import needs_aphrodite
-from hybrid_exl3_fixes.exl3.stream import FULL_PRESETS, full_spec, write_full
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, _check
+from hybrid_exl3_fixes.checkpoint.stream import FULL_PRESETS, full_spec, write_full
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, _check
 
 EIGHT = (("linear_attention",) * 3 + ("full_attention",)) * 2
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_exl3_fixes.exl3 import codec
-from hybrid_exl3_fixes.exl3.tiny import EXL3_SUFFIXES, PRESETS, TinySpec, write_tiny
-from hybrid_exl3_fixes.exl3.tinyspec import GDN_GATE_TARGETS
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.checkpoint.tiny import EXL3_SUFFIXES, PRESETS, TinySpec, write_tiny
+from hybrid_exl3_fixes.checkpoint.tinyspec import GDN_GATE_TARGETS
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +303,7 @@ def test_progress_bar_appears_only_for_long_work(capsys):
     quiet, the 27B-width one (minutes on a CPU) shows it."""
     import time
 
-    from hybrid_exl3_fixes.exl3.tiny import progress
+    from hybrid_exl3_fixes.checkpoint.tiny import progress
 
     list(progress(list(range(3)), "quick"))
     assert capsys.readouterr().err == ""
@@ -316,7 +316,7 @@ def test_progress_bar_appears_only_for_long_work(capsys):
 def test_every_preset_splits_into_whole_hadamard_blocks_at_tp2(preset):
     """Tensor parallel 2 (issue 20): every preset's column- and row-split dimensions are multiples of
     128 x 2, so each rank of a TP=2 engine holds whole Hadamard blocks; TP=4 is refused where it would not."""
-    from hybrid_exl3_fixes.exl3.tiny import _check
+    from hybrid_exl3_fixes.checkpoint.tiny import _check
 
     _check(TinySpec.preset(preset, tp=2))
 
@@ -436,8 +436,8 @@ def test_an_exl3_head_as_exllamav3_writes_it_with_its_dense_twin(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from hybrid_exl3_fixes.exl3 import codec
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint import codec
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     write_tiny(tmp_path / "head", TinySpec(bits=4, codebook="mcg", seed=0, head_bits=6, adapters=()))
     cfg = json.loads((tmp_path / "head" / "exl3" / "config.json").read_text())
@@ -452,7 +452,7 @@ def test_an_exl3_head_as_exllamav3_writes_it_with_its_dense_twin(tmp_path):
 
 
 def test_an_exl3_head_needs_a_vocabulary_of_128s(tmp_path):
-    from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
     with pytest.raises(ValueError, match="multiple of 128"):
         write_tiny(tmp_path / "x", TinySpec(vocab=500, head_bits=6))

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import HAS_APHRODITE, ROOT, needs_aphrodite
-from hybrid_exl3_fixes.exl3 import codec
-from hybrid_exl3_fixes.exl3.tiny import TinySpec, write_tiny
+from hybrid_exl3_fixes.checkpoint import codec
+from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 
 SOURCES = sorted((ROOT / ".cache" / "exllamav3").glob("*/exllamav3"))
 EXL = SOURCES[-1] if SOURCES else None
@@ -167,12 +167,12 @@ def test_doctor_checks_expert_codebooks_against_the_installed_kernel(
     """doctor reads the EXL3 MoE kernel's codebook rule from the installed kernel library (0.20-0.23:
     mcg only; 0.24: mcg and mul1); without a library it warns about anything but mcg."""
     from hybrid_exl3_fixes import doctor
-    from hybrid_exl3_fixes.exl3 import dispatch
+    from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
 
     libs = sorted((ROOT / ".cache" / "aphrodite-kernels" / version / "aphrodite").glob("*.so")) if version else []
     if version and not libs:
         pytest.skip(f"aphrodite {version} kernel libraries not unpacked (ci/aphrodite-versions.sh)")
-    monkeypatch.setattr(dispatch, "installed_kernel_libraries", lambda: libs)  # which library, not how it is read
+    monkeypatch.setattr(kernels, "installed_kernel_libraries", lambda: libs)  # which library, not how it is read
     write_tiny(tmp_path / "m", TinySpec.preset("tiny-moe", expert_codebook=codebook), dense=False)
     report = doctor.diagnose(tmp_path / "m" / "exl3", language_model_only=True, check_overlay=False)
     found = {f.check: f for f in report.findings}["moe-codebook"]

@@ -26,7 +26,7 @@ import inspect
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag
-from hybrid_exl3_fixes.standins import exl3_device, exl3_placeholder, fake_exl3_layer
+from hybrid_exl3_fixes.shared import exl3_device, exl3_placeholder, fake_exl3_layer
 
 PARAMS = ("layer", "lm_head", "max_loras", "lora_config", "model_config")
 UTILS = Target("aphrodite.lora.utils", "from_layer_logits_processor", params=PARAMS)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Live, Patch, Target, tag
-from hybrid_exl3_fixes.standins import exl3_fallback, exl3_placeholder, fake_exl3_layer, is_unsupported_layer_error
+from hybrid_exl3_fixes.shared import exl3_fallback, exl3_placeholder, fake_exl3_layer, is_unsupported_layer_error
 
 WEIGHT = Target("aphrodite.lora.layers.base_linear", "BaseLinearLayerWithLoRA.weight")
 

@@ -39,12 +39,11 @@ Retire when: an aphrodite release applies LoRA to EXL3 experts (or declines them
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Live, NotApplicable, Patch, Target, tag
-from hybrid_exl3_fixes.standins import exl3_placeholder, fake_exl3_moe_layer
+from hybrid_exl3_fixes.shared import exl3_moe_method_has_no_lora_kernel, exl3_placeholder, fake_exl3_moe_layer
 
 MODULE = "aphrodite.lora.layers.fused_moe"
 CAN_REPLACE = ("cls", "source_layer", "lora_config", "packed_modules_list", "model_config")
@@ -53,8 +52,6 @@ WRAPPER_3D = Target(MODULE, "FusedMoE3DWithLoRA.can_replace_layer", params=CAN_R
 LOAD = Target("aphrodite.lora.worker_manager", "WorkerLoRAManager._load_adapter", params=("self", "lora_request"))
 # what each wrapper's can_replace_layer asks of the packed module list (two slices, or one fused)
 PACKED = {WRAPPER_2D.key: ["w1", "w3"], WRAPPER_3D.key: ["w13"]}
-# ``self.moe_kernel = ...`` (or any ``<x>.moe_kernel = ...``): how a quant method hands FusedMoEWithLoRA its kernel
-ASSIGNS_KERNEL = re.compile(r"\.moe_kernel\s*=(?!=)")
 MANAGER_FLAG = "_hybrid_exl3_fixes_exl3_moe"  # cached on the adapter manager: its EXL3 MoE layers, unwrapped/wrapped
 
 
@@ -84,19 +81,6 @@ def stand_in_exl3_moe_layer() -> Any:
     layer.routed_experts = fake_exl3_moe_layer(routed_experts=True).routed_experts
     layer.prefix = source.prefix
     return layer
-
-
-def exl3_moe_method_has_no_lora_kernel() -> bool:
-    from aphrodite.model_executor.layers.quantization import exl3
-
-    method = getattr(exl3, "Exl3MoEMethod", None)
-    if method is None:
-        raise NotApplicable("this aphrodite has no EXL3 MoE method")
-    try:
-        source = inspect.getsource(method)
-    except (OSError, TypeError):  # no source shipped: cannot tell, assume the kernel is still missing
-        source = ""
-    return "select_gemm_impl" not in vars(method) and not ASSIGNS_KERNEL.search(source)
 
 
 def probe_exl3_moe_lora(live: dict[str, Live]) -> bool:

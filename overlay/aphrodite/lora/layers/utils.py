@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag
-from hybrid_exl3_fixes.standins import (
+from hybrid_exl3_fixes.shared import (
     exl3_device,
     exl3_fallback,
     fake_exl3_layer,

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Live, NotApplicable, Patch, Target, tag
-from hybrid_exl3_fixes.standins import exl3_placeholder, fake_exl3_layer
+from hybrid_exl3_fixes.shared import exl3_placeholder, fake_exl3_layer
 
 MODULE = "aphrodite.model_executor.layers.fused_moe.runner.shared_experts"
 ORDER = Target(MODULE, "SharedExperts._determine_shared_experts_order", params=("self", "hidden_states"))

@@ -11,19 +11,5 @@ its Why / How / Probe / Upstream / Retire when, and cites its docs/upstream/ pag
 - P10 ``p10_moe_context``  the fused MoE kernel's device context before CUDA-graph capture (0.24+)
 - P13 ``p13_moe_expert_lora`` LoRA on EXL3 routed experts: a LoRA-capable modular kernel (0.21+, an opt-in)
 
-``common`` holds what they share.
+What they share is in hybrid_exl3_fixes.shared: no patch module imports another.
 """
-
-from __future__ import annotations
-
-from .p1_shard_ids import PATCH
-from .p3_gemm_cache import PATCH_P3
-from .p4_fp16_cat import PATCH_P4
-from .p7_moe_graph import PATCH_P7
-from .p8_kernel_choice import PATCH_P8
-from .p9_moe_padding import PATCH_P9
-from .p10_moe_context import PATCH_P10
-from .p12_mid_batch import PATCH_P12
-from .p13_moe_expert_lora import PATCH_P13
-
-__all__ = ["PATCH", "PATCH_P3", "PATCH_P4", "PATCH_P7", "PATCH_P8", "PATCH_P9", "PATCH_P10", "PATCH_P12", "PATCH_P13"]

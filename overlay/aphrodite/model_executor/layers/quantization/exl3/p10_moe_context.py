@@ -35,13 +35,9 @@ from hybrid_exl3_fixes.registry import (
     Live,
     NotApplicable,
     Patch,
-    Target,
 )
+from hybrid_exl3_fixes.shared import MOE_LOAD, builds_after_loading, marks_padding_rows, source_tree
 
-from .common import MODULE, builds_after_loading, source_tree
-from .p9_moe_padding import marks_padding_rows
-
-MOE_LOAD = Target(MODULE, "Exl3MoEMethod.process_weights_after_loading", params=("self", "layer"))
 MOE_SETUP = "_setup_fused_moe_kernel"
 
 
@@ -134,7 +130,7 @@ build_moe_context_warmup = builds_after_loading(
 )
 
 
-PATCH_P10 = Patch(
+PATCH = Patch(
     id="P10",
     slug="exl3-moe-context-before-capture",
     title="EXL3 routed experts: launch the fused kernel once at load, so its device context exists before "

@@ -36,11 +36,9 @@ import os
 import threading
 from typing import Any
 
-from hybrid_exl3_fixes.exl3 import midbatch
-from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, Registry, logger
-
-from . import p3_gemm_cache as p3
-from .common import MODULE, after_loading, time_interleaved
+from hybrid_exl3_fixes.decisions import p12_mid_batch as midbatch
+from hybrid_exl3_fixes.registry import Drift, NotApplicable, Patch, logger, tags_of
+from hybrid_exl3_fixes.shared import MODULE, PROCESS_WEIGHTS, after_loading, time_interleaved
 
 APHRODITE_OPS = ("_exl3_linear_one", "_exl3_gate_up", "_exl3_qkv")
 THRESHOLD = "_EXL3_AUTO_RECONSTRUCT_THRESHOLD"
@@ -90,13 +88,13 @@ def probe_fixed_threshold(live) -> bool:
         op = getattr(exl3, name, None)
         if not callable(getattr(op, "register_kernel", None)) or not callable(getattr(op, "_init_fn", None)):
             raise Drift(f"{MODULE}.{name} is not a torch custom op whose kernel can be replaced")
-    return "P12" not in Registry._tags(live[p3.PROCESS_WEIGHTS.key].raw)
+    return "P12" not in tags_of(live[PROCESS_WEIGHTS.key].raw)
 
 
 def build(live) -> dict[str, Any]:
-    original = live[p3.PROCESS_WEIGHTS.key].function
+    original = live[PROCESS_WEIGHTS.key].function
     failure = "hybrid-exl3-fixes: P12 could not measure %s; it keeps aphrodite's path"
-    return {p3.PROCESS_WEIGHTS.key: after_loading("P12", original, plan_layer, failure, "prefix")}
+    return {PROCESS_WEIGHTS.key: after_loading("P12", original, plan_layer, failure, "prefix")}
 
 
 def plan_layer(method, layer, measure=None) -> midbatch.Steps:
@@ -280,7 +278,7 @@ def _time(fns: dict, torch) -> dict:
     return time_interleaved(fns, torch, ROUNDS, CALLS, WARMUP)
 
 
-PATCH_P12 = Patch(
+PATCH = Patch(
     id="P12",
     slug="exl3-mid-batch-path",
     title="EXL3 linear layers at 16 - 256 rows: the tiled GEMM, the rebuild or a kept float16 weight, measured per "
@@ -288,9 +286,10 @@ PATCH_P12 = Patch(
     upstream="docs/upstream/exl3-mid-batch-rebuild.md (not reported upstream)",
     fixed_in=None,
     retire_when="aphrodite chooses the EXL3 path per shape and row count by measurement",
-    targets=(p3.PROCESS_WEIGHTS,),
+    targets=(PROCESS_WEIGHTS,),
     probe=probe_fixed_threshold,
     build=build,
     on_undo=reset_state,
     checks_tag_after_apply=True,
+    after=("P3", "P8"),  # P3 and P8 first (0.20 - 0.23): P12 wraps the loader they installed
 )

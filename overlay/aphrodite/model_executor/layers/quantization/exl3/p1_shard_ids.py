@@ -26,8 +26,7 @@ import types
 from typing import Any
 
 from hybrid_exl3_fixes.registry import Drift, Live, Patch, Target, tag
-
-from .common import MODULE
+from hybrid_exl3_fixes.shared import MODULE
 
 SHARD_IDS = Target(MODULE, "Exl3LinearMethod._shard_ids_for_layer", params=("layer", "output_partition_sizes"))
 

@@ -9,7 +9,7 @@ Why:     ``_exl3_linear_one`` sends <= 32 rows to ``ops.exl3_gemm``, whose compi
          wrong numbers (relative error about 1.5) whatever its own mcg/mul1 flag says: a draft
          or MTP model quantized differently, a model whose layers mix codebooks, two models in
          one process. Measured on an H200 with aphrodite-engine 0.21.0; read from the 0.20.0 and
-         0.21.0 binaries (overlay/exl3/dispatch.py, docs/upstream/exl3-gemm-codebook-cache.md).
+         0.21.0 binaries (overlay/decisions/exl3_kernels.py, docs/upstream/exl3-gemm-codebook-cache.md).
 How:     Python cannot reach the C++ cache, so the plan is made at load time, per layer, after
          the original ``process_weights_after_loading``: a GPU probe (once per process and
          device, a few small GEMMs) confirms the behaviour and that the uncached launch
@@ -31,29 +31,30 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from hybrid_exl3_fixes.exl3 import dispatch
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p3_gemm_cache as p3_plan
 from hybrid_exl3_fixes.registry import (
-    Drift,
     Live,
-    NotApplicable,
     Patch,
-    Registry,
-    Target,
     logger,
 )
-
-from .common import MODULE, after_loading
-
-PROCESS_WEIGHTS = Target(MODULE, "Exl3LinearMethod.process_weights_after_loading", params=("self", "layer"))
+from hybrid_exl3_fixes.shared import (
+    CODEBOOK_FLAGS,
+    PROCESS_WEIGHTS,
+    _routed_apply_one,
+    after_loading,
+    codebook_of,
+    routed_linear,
+    table_dispatch_unpatched,
+)
 
 # The probe's cache key: (in, out, K) = (384, 256, 2) is no projection of a Qwen3.5/3.6 model,
 # and the probe claims it for mcg like any layer, so a real layer on it is still planned right.
 PROBE_SHAPE = (384, 256, 2)
 PROBE_ROWS = 4
-CODEBOOK_FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}
 
-PLANNER = dispatch.Planner()
-VERDICTS: dict[int, dispatch.ProbeVerdict] = {}  # per CUDA device index, for this process
+PLANNER = p3_plan.Planner()
+VERDICTS: dict[int, p3_plan.ProbeVerdict] = {}  # per CUDA device index, for this process
 _warned = False
 # (method, layer, exl3_can_mgemm before planning) of every layer the plan changed; reset_state undoes them
 _CHANGED: list[tuple[Any, Any, Any]] = []
@@ -76,21 +77,6 @@ def reset_state() -> None:
     _warned = False
 
 
-def table_dispatch_unpatched(live: dict[str, Live], patch_id: str) -> bool:
-    """The probe P3 and P8 share: the installed kernel library's dispatch (its dynamic symbols, ~1 ms, no GPU).
-    0.20 - 0.23's sample-table cache (codebook-blind) -> True until ``patch_id``'s tag is on the loader (P8 may wrap
-    P3's replacement, so the whole wrapper chain is read); 0.24's autotuner -> False; no EXL3 GEMM -> NotApplicable;
-    an unknown dispatch -> Drift."""
-    verdict, evidence = dispatch.classify_build(dispatch.installed_kernel_libraries())
-    if verdict is None:
-        raise NotApplicable(evidence)
-    if verdict == dispatch.UNKNOWN_DISPATCH:
-        raise Drift(evidence)
-    if verdict == dispatch.CODEBOOK_KEYED:
-        return False
-    return patch_id not in Registry._tags(live[PROCESS_WEIGHTS.key].raw)
-
-
 def probe_codebook_blind_gemm_cache(live: dict[str, Live]) -> bool:
     """A codebook-blind cache is a bug until this patch plans the loads; True = buggy."""
     return table_dispatch_unpatched(live, "P3")
@@ -100,14 +86,6 @@ def build_load_time_plan(live: dict[str, Live]) -> dict[str, Any]:
     original = live[PROCESS_WEIGHTS.key].function
     failure = "hybrid-exl3-fixes: P3 could not plan %s; it keeps aphrodite's own path"
     return {PROCESS_WEIGHTS.key: after_loading("P3", original, plan_layer, failure, "prefix")}
-
-
-def codebook_of(layer, shard_id) -> str:
-    if shard_id in layer.mcg.exl3_tensors:
-        return "mcg"
-    if shard_id in layer.mul1.exl3_tensors:
-        return "mul1"
-    return "3inst"
 
 
 def small_batch_gemm_shards(layer) -> list:
@@ -122,7 +100,7 @@ def small_batch_gemm_shards(layer) -> list:
 
 
 def plan_layer(
-    method, layer, verdict: dispatch.ProbeVerdict | None = None, device_class: str = "hopper", device_sms: int = 132
+    method, layer, verdict: p3_plan.ProbeVerdict | None = None, device_class: str = "hopper", device_sms: int = 132
 ) -> dict:
     """Claim this layer's exl3_gemm keys; route the shards whose key another codebook owns.
     Returns the routes {shard id: (force_shape_idx, force_num_sms)}, (0, 0) = reconstruct path."""
@@ -134,7 +112,7 @@ def plan_layer(
 
     def entries(shards):
         return [
-            (s, dispatch.gemm_key(tuple(layer.trellis.exl3_tensors[s].shape)), codebook_of(layer, s)) for s in shards
+            (s, kernels.gemm_key(tuple(layer.trellis.exl3_tensors[s].shape)), codebook_of(layer, s)) for s in shards
         ]
 
     shards = small_batch_gemm_shards(layer)
@@ -151,7 +129,7 @@ def plan_layer(
         owner = PLANNER.claim(key, cb, label)
         if owner is None:
             continue
-        launch = dispatch.forced_launch(device_class, *key, device_sms) if verdict.forced_ok else None
+        launch = kernels.forced_launch(device_class, *key, device_sms) if verdict.forced_ok else None
         routes[shard] = launch or (0, 0)
         _report_route(label, cb, key, owner, routes[shard])
     if routes or can_mgemm is not None:
@@ -181,79 +159,20 @@ def _report_route(label: str, codebook: str, key, owner, route) -> None:
     )
 
 
-def _routed_apply_one(self, layer, x, shard_id):
-    route = layer.hxf_exl3_routes.get(shard_id)
-    if route is None:
-        return type(self)._apply_one(self, layer, x, shard_id)
-    return routed_linear()(x, *shard_operands(layer, shard_id), route[0], route[1])
-
-
-def shard_operands(layer, shard_id) -> tuple:
-    """(trellis, suh, svh, mcg, mul1) of one shard: the operands of an EXL3 GEMM launch."""
-    mcg, mul1 = CODEBOOK_FLAGS[codebook_of(layer, shard_id)]
-    tensors = (layer.trellis, layer.suh, layer.svh)
-    return (*(t.exl3_tensors[shard_id] for t in tensors), mcg, mul1)
-
-
-_ROUTED_OP = None
-
-
-def routed_linear():
-    """``hybrid_exl3_fixes::exl3_linear_routed``: aphrodite's _exl3_linear_one, with the <= 32-row
-    branch launching exl3_gemm uncached (force_shape_idx > 0) or, for shape_idx 0, taking the
-    reconstruct path at every batch size. A custom op so torch.compile and CUDA graphs treat it
-    as aphrodite's own."""
-    global _ROUTED_OP
-    if _ROUTED_OP is not None:
-        return _ROUTED_OP
-    import torch
-    from aphrodite import _custom_ops as ops
-
-    def exl3_linear_routed(x, trellis, suh, svh, mcg, mul1, shape_idx, num_sms):
-        out_features = trellis.shape[1] * 16
-        output = torch.empty((x.shape[0], out_features), device=x.device, dtype=torch.float16)
-        x_had = torch.empty_like(x)
-        if shape_idx > 0 and x.shape[0] <= dispatch.SMALL_BATCH_ROWS:
-            ops.exl3_gemm(x, trellis, output, suh, x_had, svh, shape_idx, mcg, mul1, num_sms)
-            return output
-        weight = torch.empty((trellis.shape[0] * 16, out_features), device=trellis.device, dtype=torch.float16)
-        ops.exl3_reconstruct(weight, trellis, trellis.shape[2] // 16, mcg, mul1)
-        ops.exl3_had_r_128(x, x_had, suh, None, 1.0)
-        ops.exl3_hgemm(x_had, weight, output)
-        ops.exl3_had_r_128(output, output, None, svh, 1.0)
-        return output
-
-    op = torch.library.custom_op(
-        "hybrid_exl3_fixes::exl3_linear_routed",
-        exl3_linear_routed,
-        mutates_args=(),
-        device_types="cuda",
-        schema="(Tensor x, Tensor trellis, Tensor suh, Tensor svh, bool mcg, bool mul1, int shape_idx, "
-        "int num_sms) -> Tensor",
-    )
-
-    @op.register_fake
-    def _(x, trellis, suh, svh, mcg, mul1, shape_idx, num_sms):
-        return x.new_empty((x.shape[0], trellis.shape[1] * 16), dtype=torch.float16)
-
-    _ROUTED_OP = op
-    return op
-
-
-def device_verdict(device) -> tuple[dispatch.ProbeVerdict, str, int]:
+def device_verdict(device) -> tuple[p3_plan.ProbeVerdict, str, int]:
     """The runtime probe's answer for this CUDA device, measured once per process and device."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    device_class = dispatch.compute_class(props.major, props.minor)
+    device_class = kernels.compute_class(props.major, props.minor)
     verdict = VERDICTS.get(index)
     if verdict is None:
         try:
             with torch.cuda.device(index):
-                verdict = dispatch.read_probe(measure_gemm_cache(index, device_class, props.multi_processor_count))
+                verdict = p3_plan.read_probe(measure_gemm_cache(index, device_class, props.multi_processor_count))
         except Exception as exc:  # e.g. no kernel for the probe's shape on this device: route nothing
-            verdict = dispatch.ProbeVerdict(None, False, f"the probe raised {type(exc).__name__}: {exc}")
+            verdict = p3_plan.ProbeVerdict(None, False, f"the probe raised {type(exc).__name__}: {exc}")
         VERDICTS[index] = verdict  # asked once per process and device, whatever the answer
         if verdict.codebook_blind:
             PLANNER.claim(PROBE_SHAPE, "mcg", "the hybrid-exl3-fixes probe")
@@ -280,19 +199,19 @@ def device_verdict(device) -> tuple[dispatch.ProbeVerdict, str, int]:
 
 
 def measure_gemm_cache(index: int, device_class: str, device_sms: int) -> dict[str, float]:
-    """Run the probe's GEMMs on cuda:<index>; returns relative errors for dispatch.read_probe.
+    """Run the probe's GEMMs on cuda:<index>; returns relative errors for p3_plan.read_probe.
     References come from aphrodite's own reconstruct path (more than 32 rows), which decodes
     every codebook right."""
     import aphrodite.model_executor.layers.quantization.exl3  # noqa: F401 - registers the op
     import torch
 
-    from hybrid_exl3_fixes.exl3 import codec
+    from hybrid_exl3_fixes.checkpoint import codec
 
     k, n, K = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     tensors = codec.random_exl3_linear(k, n, K, "mcg", gen)
     trellis, suh, svh = (tensors[name].to(f"cuda:{index}") for name in ("trellis", "suh", "svh"))
-    x_big = torch.randn(dispatch.SMALL_BATCH_ROWS + 1, k, generator=gen).to(torch.float16).to(f"cuda:{index}")
+    x_big = torch.randn(kernels.SMALL_BATCH_ROWS + 1, k, generator=gen).to(torch.float16).to(f"cuda:{index}")
     x = x_big[:PROBE_ROWS].contiguous()
     linear = torch.ops.aphrodite.exl3_linear_one
 
@@ -307,13 +226,13 @@ def measure_gemm_cache(index: int, device_class: str, device_sms: int) -> dict[s
         "second": rel(second, ref["mul1"]),
         "second_vs_first": rel(second, ref["mcg"]),
     }
-    launch = dispatch.forced_launch(device_class, k, n, K, device_sms)
+    launch = kernels.forced_launch(device_class, k, n, K, device_sms)
     for cb, flags in CODEBOOK_FLAGS.items():
         errors[f"forced_{cb}"] = rel(routed_linear()(x, trellis, suh, svh, *flags, *launch), ref[cb])
     return errors
 
 
-PATCH_P3 = Patch(
+PATCH = Patch(
     id="P3",
     slug="exl3-gemm-codebook-cache",
     title="EXL3 <= 32-row GEMM keeps the first codebook per shape (mixed-codebook processes)",

@@ -39,8 +39,7 @@ from hybrid_exl3_fixes.registry import (
     Target,
     tag,
 )
-
-from .common import MODULE
+from hybrid_exl3_fixes.shared import MODULE
 
 APPLY = Target(MODULE, "Exl3LinearMethod.apply", params=("self", "layer", "x", "bias"))
 VIEW_OPS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.alias.default")
@@ -143,7 +142,7 @@ def build_fp16_fused_cat(live: dict[str, Live]) -> dict[str, Any]:
     return {APPLY.key: tag("P4", apply, original)}
 
 
-PATCH_P4 = Patch(
+PATCH = Patch(
     id="P4",
     slug="exl3-fp16-cat-split",
     title="fused EXL3 projection in float16: join the shard outputs where Inductor cannot fold the GDN split",

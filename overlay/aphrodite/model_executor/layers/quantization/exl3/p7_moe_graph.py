@@ -37,18 +37,9 @@ from hybrid_exl3_fixes.registry import (
     Live,
     NotApplicable,
     Patch,
-    Target,
     tag,
 )
-
-from .common import MODULE, source_tree
-
-MOE_APPLY = Target(
-    MODULE,
-    "Exl3MoEMethod.apply",
-    params=("self", "layer", "x", "topk_weights", "topk_ids", "shared_experts_input"),  # 0.20, 0.21
-    also=(("self", "layer", "x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input"),),  # 0.22+
-)
+from hybrid_exl3_fixes.shared import MODULE, MOE_APPLY, source_tree
 
 
 def returns_when_capturing(function) -> bool:
@@ -176,7 +167,7 @@ def build_moe_graph_capacity(live: dict[str, Live]) -> dict[str, Any]:
     return {MOE_APPLY.key: tag("P7", apply, original)}
 
 
-PATCH_P7 = Patch(
+PATCH = Patch(
     id="P7",
     slug="exl3-moe-graph-expert-capacity",
     title="EXL3 routed experts in a CUDA graph: chunk the batch so no expert exceeds the fused kernel's capacity",
@@ -187,4 +178,5 @@ PATCH_P7 = Patch(
     targets=(MOE_APPLY,),
     probe=probe_moe_graph_capacity,
     build=build_moe_graph_capacity,
+    after=("P9",),  # P9 first: P7's chunks then reach P9's apply, each sanitised for its own size
 )

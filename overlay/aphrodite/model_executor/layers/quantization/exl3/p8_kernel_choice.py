@@ -30,11 +30,20 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from hybrid_exl3_fixes.exl3 import choice, dispatch
+from hybrid_exl3_fixes.decisions import exl3_kernels as kernels
+from hybrid_exl3_fixes.decisions import p8_kernel_choice as choice
 from hybrid_exl3_fixes.registry import Patch, logger
-
-from . import p3_gemm_cache as p3
-from .common import after_loading, time_interleaved
+from hybrid_exl3_fixes.shared import (
+    CODEBOOK_FLAGS,
+    PROCESS_WEIGHTS,
+    _routed_apply_one,
+    after_loading,
+    codebook_of,
+    routed_linear,
+    shard_operands,
+    table_dispatch_unpatched,
+    time_interleaved,
+)
 
 ROUNDS = 5  # timed rounds per launch and row count; the median is kept
 CALLS = 8  # calls per round, between one pair of CUDA events
@@ -62,13 +71,13 @@ def reset_state() -> None:
 def probe_table_kernel_choice(live) -> bool:
     """The sample-table choice of 0.20 - 0.23 is what P8 replaces; 0.24's autotuner is the fix upstream. True = the
     table choice is there and P8 is not."""
-    return p3.table_dispatch_unpatched(live, "P8")
+    return table_dispatch_unpatched(live, "P8")
 
 
 def build(live) -> dict[str, Any]:
-    original = live[p3.PROCESS_WEIGHTS.key].function
+    original = live[PROCESS_WEIGHTS.key].function
     failure = "hybrid-exl3-fixes: P8 could not measure %s; it keeps aphrodite's own kernel choice"
-    return {p3.PROCESS_WEIGHTS.key: after_loading("P8", original, plan_layer, failure, "prefix")}
+    return {PROCESS_WEIGHTS.key: after_loading("P8", original, plan_layer, failure, "prefix")}
 
 
 def plan_layer(method, layer, measure=None, device=None) -> dict:
@@ -86,8 +95,8 @@ def plan_layer(method, layer, measure=None, device=None) -> dict:
     chosen = {}
     for shard in shards:
         trellis = layer.trellis.exl3_tensors[shard]
-        k, n, K = dispatch.gemm_key(tuple(trellis.shape))
-        cb = p3.codebook_of(layer, shard)
+        k, n, K = kernels.gemm_key(tuple(trellis.shape))
+        cb = codebook_of(layer, shard)
         key = (index, k, n, K, cb)
         if key not in CHOICES:
             launches = choice.candidates(cc, k, n, K, sms)
@@ -134,16 +143,16 @@ def _device_facts(device) -> tuple[int, str, int]:
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    return index, dispatch.compute_class(props.major, props.minor), props.multi_processor_count
+    return index, kernels.compute_class(props.major, props.minor), props.multi_processor_count
 
 
 def _chosen_apply_one(self, layer, x, shard_id):
     steps = layer.hxf_exl3_chosen.get(shard_id)
     if steps is None:
         if shard_id in (getattr(layer, "hxf_exl3_routes", None) or {}):
-            return p3._routed_apply_one(self, layer, x, shard_id)
+            return _routed_apply_one(self, layer, x, shard_id)
         return type(self)._apply_one(self, layer, x, shard_id)
-    return chosen_linear()(x, *p3.shard_operands(layer, shard_id), *steps)
+    return chosen_linear()(x, *shard_operands(layer, shard_id), *steps)
 
 
 _CHOSEN_OP = None
@@ -161,7 +170,7 @@ def chosen_linear():
 
     def exl3_linear_chosen(x, trellis, suh, svh, mcg, mul1, max_rows, shapes, sms):
         rows = x.shape[0]
-        if rows > dispatch.SMALL_BATCH_ROWS:
+        if rows > kernels.SMALL_BATCH_ROWS:
             return torch.ops.aphrodite.exl3_linear_one(x, trellis, suh, svh, mcg, mul1)
         shape_idx, num_sms = choice.NATIVE, 0
         for limit, s, m in zip(max_rows, shapes, sms):
@@ -195,16 +204,16 @@ def measure_launches(trellis, suh, svh, codebook, launches, native=True) -> dict
     """Time ``launches`` (and the native launch when ``native``) on this layer's own weights at each row count of
     ``choice.ROW_STEPS``: warm-up calls, then ``ROUNDS`` rounds of ``CALLS`` calls each between CUDA events, the
     launches interleaved (the order reversed every round), the median per launch in µs. A forced launch whose
-    output is not the reconstruct path's (relative error >= dispatch.SAME at that row count) is left out."""
+    output is not the reconstruct path's (relative error >= kernels.SAME at that row count) is left out."""
     import aphrodite.model_executor.layers.quantization.exl3  # noqa: F401 - registers aphrodite::exl3_linear_one
     import torch
 
-    mcg, mul1 = p3.CODEBOOK_FLAGS[codebook]
+    mcg, mul1 = CODEBOOK_FLAGS[codebook]
     linear = torch.ops.aphrodite.exl3_linear_one
-    routed = p3.routed_linear()
+    routed = routed_linear()
     k = trellis.shape[0] * 16
     gen = torch.Generator(device=trellis.device).manual_seed(0)
-    x_all = torch.randn(dispatch.SMALL_BATCH_ROWS + 1, k, generator=gen, device=trellis.device).to(torch.float16)
+    x_all = torch.randn(kernels.SMALL_BATCH_ROWS + 1, k, generator=gen, device=trellis.device).to(torch.float16)
     reference = linear(x_all, trellis, suh, svh, mcg, mul1).float()  # > 32 rows: reconstruct + GEMM
     times: dict[int, dict[choice.Launch, float]] = {}
     for rows in choice.ROW_STEPS:
@@ -219,7 +228,7 @@ def measure_launches(trellis, suh, svh, codebook, launches, native=True) -> dict
                 return routed(x, trellis, suh, svh, mcg, mul1, s, m)
 
             out = fn().float()
-            if float((out - ref).norm() / ref.norm().clamp_min(1e-30)) < dispatch.SAME:
+            if float((out - ref).norm() / ref.norm().clamp_min(1e-30)) < kernels.SAME:
                 fns[launch] = fn
         times[rows] = _time(fns, torch)
     return times
@@ -229,16 +238,19 @@ def _time(fns: dict, torch) -> dict:
     return time_interleaved(fns, torch, ROUNDS, CALLS, WARMUP)
 
 
-PATCH_P8 = Patch(
+PATCH = Patch(
     id="P8",
     slug="exl3-small-batch-kernel-choice",
     title="EXL3 <= 32-row GEMM: the kernel launch measured per layer at load instead of the sample tables' guess",
     upstream="docs/upstream/exl3-small-batch-kernel-choice.md (not reported upstream)",
     fixed_in="0.24.0",
     retire_when="the oldest supported aphrodite-engine is 0.24.x",
-    targets=(p3.PROCESS_WEIGHTS,),
+    targets=(PROCESS_WEIGHTS,),
     probe=probe_table_kernel_choice,
     build=build,
     on_undo=reset_state,
     checks_tag_after_apply=True,
+    after=(
+        "P3",
+    ),  # P3 first: P8 chooses launches only for the shards P3 leaves on aphrodite's path, wrapping P3's loader
 )

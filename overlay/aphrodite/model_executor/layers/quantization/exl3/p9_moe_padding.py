@@ -41,23 +41,7 @@ from hybrid_exl3_fixes.registry import (
     tag,
     wrapper_chain,
 )
-
-from .common import source_tree
-from .p7_moe_graph import MOE_APPLY
-
-ROUTER_MODULE = "aphrodite.model_executor.layers.fused_moe.router.fused_topk_router"
-
-
-def marks_padding_rows() -> bool:
-    """Whether this release's fused top-k routers give padding rows expert id -1 (0.23+: ``_get_padding_mask``
-    feeds ``is_padding`` to the top-k kernel, gated by ``APHRODITE_MOE_SKIP_PADDING``)."""
-    import importlib
-
-    try:
-        router = importlib.import_module(ROUTER_MODULE)
-    except ImportError:  # 0.20, 0.21: no router package
-        return False
-    return callable(getattr(router, "_get_padding_mask", None))
+from hybrid_exl3_fixes.shared import MOE_APPLY, marks_padding_rows, source_tree
 
 
 def handles_negative_ids(function) -> bool:
@@ -114,7 +98,7 @@ def build_moe_padding_ids(live: dict[str, Live]) -> dict[str, Any]:
     return {MOE_APPLY.key: tag("P9", apply, original)}
 
 
-PATCH_P9 = Patch(
+PATCH = Patch(
     id="P9",
     slug="exl3-moe-padding-expert-ids",
     title="EXL3 routed experts: padding rows' expert id -1 (APHRODITE_MOE_SKIP_PADDING, 0.23+) mapped to one "

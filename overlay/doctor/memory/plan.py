@@ -1,32 +1,32 @@
-"""The memory plan: KV and GDN state per token and sequence, and the engine's own arithmetic (memplan.py)."""
+"""The memory plan: KV and GDN state per token and sequence, and the engine's own arithmetic (arithmetic.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from .. import memplan
-from ..memplan import Engine, is_mtp
-from .base import GIB, Report
-from .files import image_tokens
-from .shape import Shape
+from ..base import GIB, Report
+from ..files import image_tokens
+from ..shape import Shape
+from . import arithmetic
+from .arithmetic import Engine, is_mtp
 
 
 def kv_bytes_per_token(shape: Shape, kv_dtype: str, dtype: str = "bfloat16") -> tuple[int, str]:
     """KV bytes per token over the full-attention layers; ``auto`` keeps the cache in the activations' ``dtype``."""
     full = shape.full_layers
     heads, dim = shape.kv_heads or 0, shape.head_dim or 0
-    width = memplan.kv_value_bytes(kv_dtype, dtype)
+    width = arithmetic.kv_value_bytes(kv_dtype, dtype)
     return full * heads * dim * 2 * width, f"{full} full layers x {heads} KV heads x {dim} x 2 (K,V) x {width} B"
 
 
 def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int, int, str]:
-    """The GDN state of one sequence, over every linear-attention layer (memplan.gdn_state_bytes per layer)."""
+    """The GDN state of one sequence, over every linear-attention layer (arithmetic.gdn_state_bytes per layer)."""
     linear = shape.linear_layers
     if not linear or shape.gdn is None:
         return 0, 0, "no linear-attention layers"
     g = shape.gdn
-    recurrent, conv, ssm, width = memplan.gdn_state_bytes(shape, dtype)
+    recurrent, conv, ssm, width = arithmetic.gdn_state_bytes(shape, dtype)
     source = shape.ssm_source if shape.ssm_dtype else dtype
     return (
         linear * recurrent,
@@ -82,7 +82,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
         )
     if not gpu_mem:
         return plan
-    engine = memplan.plan(shape, tensors, replace(eng, image_tokens=img_tokens), exl3=bool(exl3_weights))
+    engine = arithmetic.plan(shape, tensors, replace(eng, image_tokens=img_tokens), exl3=bool(exl3_weights))
     cap = engine["capacity"]
     pool = engine["available_kv_bytes"]
     u = engine["uncertainty"]

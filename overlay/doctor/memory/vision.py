@@ -1,4 +1,4 @@
-"""The vision encoder's share of the profiling run's torch peak (memplan.plan's ``vision_encoder`` term).
+"""The vision encoder's share of the profiling run's torch peak (arithmetic.plan's ``vision_encoder`` term).
 
 Restated from aphrodite-engine's sources (the same in 0.20.0 - 0.24.1): before the text dummy run,
 ``v1/worker/gpu_model_runner.py`` ``profile_run`` runs the vision encoder once on ``items`` dummy images of the
@@ -14,7 +14,7 @@ largest size the processor allows and keeps the outputs in the encoder cache thr
 - the encoder (``qwen3_vl.py`` ``Qwen3_VisionTransformer``, tensor-parallel like the text model unless
   ``--mm-encoder-tp-mode data``) sees ``n = items x T x merge^2`` patches.
 
-Its peak, counted from the tensors alive at each step of the eager forward (an estimate, bounded in membounds):
+Its peak, counted from the tensors alive at each step of the eager forward (an estimate, bounded in bounds.py):
 the pixels, already in the model dtype (``multimodal/processing/context.py`` ``_postprocess_output`` casts every
 float tensor the processor returns), ``n x C x 2`` B with ``C = channels x temporal x patch^2``; the interpolated
 position embeddings kept through the

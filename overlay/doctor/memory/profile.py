@@ -1,4 +1,4 @@
-"""The terms of doctor's memory plan that the engine's profiling run and its model runner decide (memplan.plan),
+"""The terms of doctor's memory plan that the engine's profiling run and its model runner decide (arithmetic.plan),
 restated per release from aphrodite's sources; what could not be traced to a source is labelled ``measured``.
 
 - Weights at load: a floating-point tensor loads in the model's dtype whatever it is stored in (aphrodite's default

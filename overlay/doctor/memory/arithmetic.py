@@ -13,7 +13,7 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   0.21, APHRODITE_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1). From 0.23.0 the profiler counts "total consumed" (the
   drop in free memory since the worker's start-up snapshot) plus the transient peak (utils/mem_utils.py
   memory_profiling): the same terms, and with them whatever the model runner allocates after the snapshot
-  (memprofile.py's ``runner_buffers``, Model Runner V2 in 0.24.1).
+  (profile.py's ``runner_buffers``, Model Runner V2 in 0.24.1).
 - batch defaults: a GPU of >= 70 GiB (not an A100) gets --max-num-batched-tokens 8192 and
   --max-num-seqs 1024 under `aphrodite run`; smaller GPUs 2048 and 256 (engine/arg_utils.py
   get_batch_defaults): the one place the GPU model changes the plan by itself.
@@ -42,7 +42,7 @@ docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the
   0.20.0-0.24.1; 32 tokens per expert on SM 11.x in 0.24): 13.8 MiB a layer at the 35B-A3B's widths on an H200.
 - EXL3 GEMM: more than 32 rows (0.24.1: 144) reconstruct the fp16 weight of the tensor first
   (quantization/exl3.py _exl3_linear_one): the profiling run's sampler pass (max_num_seqs rows through
-  lm_head) holds an fp16 copy of an EXL3 head, whole or (0.24.1) in slices (memprofile.py).
+  lm_head) holds an fp16 copy of an EXL3 head, whole or (0.24.1) in slices (profile.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import membounds, memprofile, memvision
+from . import bounds, profile, vision
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -123,7 +123,7 @@ class Engine:
     release: str | None = None  # the aphrodite-engine release planned for; None: the newest supported
     exl3_keep: int | None = None  # P12's opt-in, HYBRID_EXL3_FIXES_EXL3_KEEP: bytes per GPU, -1 all, None off
     image_tokens: int | None = None  # the processor's largest image in tokens; None: the published processor's
-    image_limit: int = memvision.DEFAULT_IMAGE_LIMIT  # --limit-mm-per-prompt's image count
+    image_limit: int = vision.DEFAULT_IMAGE_LIMIT  # --limit-mm-per-prompt's image count
 
     def __post_init__(self):
         big = self.gpu_gib >= BIG_GPU_GIB
@@ -297,7 +297,7 @@ def cudagraph_bytes(shape, eng: Engine) -> tuple[int, str]:
 
 MOE_TOKENS_PER_EXPERT = 128  # quantization/exl3.py _EXL3_MOE_(DEFAULT_)MAX_TOKENS_PER_EXPERT, 0.20.0-0.24.1
 MOE_MAX_EXPERTS_PER_TOKEN = 32  # _EXL3_MOE_MAX_EXPERTS_PER_TOKEN: caps the small-batch output buffer's rows
-PLAN_GPU_SMS = 132  # the SM count the scratch is planned for: an H200's or H100's (membounds: other GPUs)
+PLAN_GPU_SMS = 132  # the SM count the scratch is planned for: an H200's or H100's (bounds.py: other GPUs)
 
 
 def exl3_moe_scratch(shape, eng: Engine) -> tuple[int, str]:
@@ -318,8 +318,8 @@ def exl3_moe_scratch(shape, eng: Engine) -> tuple[int, str]:
 
 
 def exl3_kept_weights(tensors: dict, eng: Engine) -> tuple[int, str]:
-    """P12's opt-in float16 weights (overlay/exl3/midbatch.py): 2 x in x out bytes per EXL3 linear layer (trellis
-    ``in/16 x out/16 x 16K``; routed experts excluded), per rank, up to the budget. An upper bound: P12 keeps a
+    """P12's opt-in float16 weights (overlay/decisions/p12_mid_batch.py): 2 x in x out bytes per EXL3 linear layer
+    (trellis ``in/16 x out/16 x 16K``; routed experts excluded), per rank, up to the budget. An upper bound: P12 keeps a
     layer only where the kept weight was measured faster."""
     full = 0
     for name, t in tensors.items():
@@ -354,10 +354,10 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     width = dtype_bytes(eng.dtype)
     if eng.language_model_only:
         tensors = {n: t for n, t in tensors.items() if not (".visual." in n or n.startswith("visual."))}
-    stored = sum(memprofile.loaded_bytes(n, t, width) for n, t in tensors.items())
+    stored = sum(profile.loaded_bytes(n, t, width) for n, t in tensors.items())
     lora, lora_formula = lora_bytes(shape, eng)
-    peak, peak_formula = memprofile.activation_peak(shape, tensors, eng, exl3)
-    buffers, buffers_formula = memprofile.runner_buffers(shape, eng)
+    peak, peak_formula = profile.activation_peak(shape, tensors, eng, exl3)
+    buffers, buffers_formula = profile.runner_buffers(shape, eng)
     graphs, graphs_formula = cudagraph_bytes(shape, eng)
     load = LOAD_OVERHEAD + LOAD_OVERHEAD_PER_LAYER * layers
     requested = math.ceil(eng.gpu_gib * GIB * eng.utilization)
@@ -383,7 +383,7 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
     if exl3 and eng.exl3_keep is not None:  # P12's opt-in, kept at load beside the weights
         kept, kept_formula = exl3_kept_weights(tensors, eng)
         terms["exl3_kept_weights"] = term(kept, kept_formula, "code (an upper bound: kept only where measured faster)")
-    if eng.tp > 1:  # membounds.py: allocated by NCCL during the profiling run, in GPU memory over P2P / NVLink
+    if eng.tp > 1:  # bounds.py: allocated by NCCL during the profiling run, in GPU memory over P2P / NVLink
         terms["nccl_buffers"] = term(
             0,
             "NCCL connection buffers: channels x 2 connections x 9.19 MiB, the channel count unknown here",
@@ -391,7 +391,7 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         )
     if not eng.language_model_only and shape.vision:
         # the profiling run's vision encoder: its own peak before the text pass, its outputs kept through it
-        extra, formula, _ = memvision.vision_encoder(shape.vision, eng, peak)
+        extra, formula, _ = vision.vision_encoder(shape.vision, eng, peak)
         terms["vision_encoder"] = term(extra, formula, "code structure (one 0.24.1 engine at TP 1: pool within 1.2 %)")
     non_kv = sum(t["bytes"] for k, t in terms.items() if k != "requested")
     available = requested - non_kv
@@ -424,7 +424,7 @@ def plan(shape, tensors: dict, eng: Engine, exl3: bool) -> dict:
         "available_kv_gib": round(available / GIB, 2),
         "layout": layout,
         "capacity": capacity,
-        "uncertainty": membounds.pool_range(
+        "uncertainty": bounds.pool_range(
             terms, available, layout, eng.max_model_len, eng.gpu_gib >= BIG_GPU_GIB, kv_capacity
         ),
         "pin_kv_cache_memory": max(0, available - REDUNDANCY),

@@ -1,4 +1,4 @@
-"""How far each term of doctor's memory plan (memplan.plan) may be from what the engine will find, and the range of
+"""How far each term of doctor's memory plan (arithmetic.plan) may be from what the engine will find, and the range of
 KV pool and concurrency that leaves (issue 34).
 
 Every term gets ``low`` (it may be this many bytes smaller) and ``high`` (this many larger) with ``why``: the
@@ -7,7 +7,7 @@ read from. Terms restated from aphrodite's code (requested memory, weights, LoRA
 is the plan's pool less the sum of the ``high`` bounds to plus the sum of the ``low`` ones; tokens and concurrency
 follow through the KV layout. A pinned pool (``--kv-cache-memory``) has no such range: the engine skips profiling.
 
-TP > 1 adds NCCL's lazily allocated connection buffers (memplan.plan's ``nccl_buffers``): the engine's profiling run
+TP > 1 adds NCCL's lazily allocated connection buffers (arithmetic.plan's ``nccl_buffers``): the engine's profiling run
 makes the first all-reduces, NCCL connects then (``NCCL_RUNTIME_CONNECT`` defaults to 1, NCCL 2.30.7
 ``src/init.cc``) and allocates one buffer per protocol and connection, LL 512 KiB, LL128 4,915,200 B and SIMPLE 4
 MiB (``DEFAULT_LL_BUFFSIZE``, ``DEFAULT_LL128_BUFFSIZE``, ``DEFAULT_BUFFSIZE``), in GPU memory for the P2P and
@@ -35,14 +35,14 @@ def nccl_bound() -> int:
 
 def bound(name: str, value: int, big_gpu: bool) -> dict:
     """``low``, ``high`` and ``why`` of one term of ``value`` bytes; ``big_gpu``: the plan's GPU is of the H200 rows'
-    size class (memplan.BIG_GPU_GIB or more), below which non-torch memory was never measured."""
+    size class (arithmetic.BIG_GPU_GIB or more), below which non-torch memory was never measured."""
 
     def b(low: int, high: int, why: str) -> dict:
         return {"low": int(low), "high": int(high), "why": why}
 
     if name == "load_overhead":
         return b(64 * MIB, 64 * MIB, "the calibration rows' largest miss of weights + load overhead, 0.04 GiB")
-    if name == "exl3_moe_scratch":  # memplan.exl3_moe_scratch: C = SMs // 12 planned at an H200's 11
+    if name == "exl3_moe_scratch":  # arithmetic.exl3_moe_scratch: C = SMs // 12 planned at an H200's 11
         return b(
             value * (2 if big_gpu else 10) // 11,
             value // 11,
@@ -67,7 +67,7 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
         return b(value // 2, value, "not measured on a GPU under 70 GiB: half to twice the H200's 0.27 GiB")
     if name == "cudagraphs":
         return b(value * 0.21, value * 0.74, "logged / planned 0.79-1.73 on the calibration rows")
-    if name == "vision_encoder":  # memvision.py
+    if name == "vision_encoder":  # vision.py
         return b(
             value // 2,
             value // 2,
@@ -88,7 +88,7 @@ def bound(name: str, value: int, big_gpu: bool) -> dict:
 
 def pool_range(terms: dict, available: int, layout: dict, max_model_len: int, big_gpu: bool, capacity) -> dict:
     """The bounds of every term, their sums, and the pool, tokens and concurrency at both ends.
-    ``capacity`` is memplan.kv_capacity."""
+    ``capacity`` is arithmetic.kv_capacity."""
     bounds = {name: bound(name, t["bytes"], big_gpu) for name, t in terms.items() if name != "requested"}
     low = sum(x["low"] for x in bounds.values())  # the terms may be this much smaller: the pool larger
     high = sum(x["high"] for x in bounds.values())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .dispatch import SMALL_BATCH_ROWS, TILE_K, TILE_N, forced_launch, shape_fits
+from .exl3_kernels import SMALL_BATCH_ROWS, TILE_K, TILE_N, forced_launch, shape_fits
 
 ROW_STEPS = (1, 8, 16, SMALL_BATCH_ROWS)  # the row counts P8 measures; each covers the rows up to it
 NATIVE = -1  # shape_idx of aphrodite's own (table) launch; its num_sms is 0
