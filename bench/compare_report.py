@@ -34,7 +34,7 @@ from report import level_parser, plot_levels, read_inputs, spread, with_notes, w
 METRICS = {"per_request": "per_request_tok_s", "decode": "decode_tok_s", "ttft": "ttft_mean_s"}
 SSM_FLAG = "--mamba-ssm-cache-dtype"
 WIDTH = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-# issue 53's goals, reported on the page and asserted by no test: per request over exllamav3 at the same state width
+# the goals the page reports (asserted by no test): per request over exllamav3 at the same state width, N = 1 and 8-64
 GOALS = ((1, 1, 1.10), (8, 64, 1.5))
 
 

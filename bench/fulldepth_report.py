@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         {n[len("inputs-") : -len("-exl3.json")] for n in named if n.startswith("inputs-")}
         | {n.split("-aphrodite-")[0] for n in named if "-aphrodite-" in n}
     )
-    all_rows, md = [], [f"# Full-depth serving (issue 18){': ' + args.title if args.title else ''}", ""]
+    all_rows, md = [], [f"# Full-depth serving{': ' + args.title if args.title else ''}", ""]
     for preset in presets:
         borrowed: list[str] = []
         try:

@@ -72,7 +72,7 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
         "9b-24g-fp8kv": ("9b/exl3", None, [*emulate(24), *TEXT, "--kv-cache-dtype", "fp8"]),
         "9b-24g-mnbt8192": ("9b/exl3", None, [*emulate(24), *TEXT, "--max-num-batched-tokens", "8192"]),
         "9b-24g-eager": ("9b/exl3", None, [*emulate(24), *TEXT, "--enforce-eager"]),
-        # vision on, three images a prompt as issue 34's held-out deployment (the profile encodes one image of the
+        # vision on, three images a prompt as a held-out deployment of the 27B serves (the profile encodes one image of the
         # processor's largest size either way); the 9B is written with the published vision tower (ci/gpu-run.sh cal)
         "9b-24g-vision": ("9b/exl3", None, [*emulate(24), "--limit-mm-per-prompt", '{"image": 3}']),
         # the held-out deployment's batch size with vision on (the encoder budget follows it: encoder_budget.py)
@@ -103,7 +103,7 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
 
 
 HELD_OUT = ("27b-24g", "27b-24g-lora")
-# issue 34's rows on 0.24.1 (float32 GDN state, as make-tiny writes the published configs), in the order they run:
+# the rows on 0.24.1 (float32 GDN state, as make-tiny writes the published configs), in the order they run:
 # the 9B's four share one checkpoint and its compile cache; bfloat16 weights; the EXL3 MoE profiled, compiled
 ISSUE34 = ("9b-24g", "9b-24g-vision", "9b-24g-mnbt8192", "9b-24g-lora", "27b-4layer-bf16-h200", "35b4-32g")
 

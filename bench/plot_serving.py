@@ -1,4 +1,4 @@
-"""Tables, issue 7's goals and plots from bench/serving.py's DIR/serving.csv and DIR/serving.json.
+"""Tables, the serving goals and plots from bench/serving.py's DIR/serving.csv and DIR/serving.json.
 
     python3 bench/plot_serving.py DIR [--out bench/results] [--title "NVIDIA H200, aphrodite 0.21.0"]
                                       [--variant=-fullgraph-nocompile]
@@ -269,7 +269,7 @@ def report(rows: list[dict], engines: dict, title: str) -> list[str]:
             not failed,
         )
     )
-    md += ["", "## Goals (issue 7)", "", "| goal | measured | aim | met |", "|---|---|---|---|"]
+    md += ["", "## Goals", "", "| goal | measured | aim | met |", "|---|---|---|---|"]
     md += [f"| {g} | {m} | {a} | {'yes' if ok else 'NO'} |" for g, m, a, ok in goals]
     md += ["| plugin time per process | see `plugin_overhead.md` | < 50 ms | see there |"]
     return md

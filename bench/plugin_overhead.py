@@ -1,4 +1,4 @@
-"""What the overlay adds to an aphrodite process's start (issue 7's goal: under 50 ms).
+"""What the overlay adds to an aphrodite process's start (the goal: under 50 ms).
 
 Each sample is a fresh Python process with the real aphrodite-engine modules (CPU is enough: the
 plugin's work, imports and probes, runs on the CPU in every engine process). Two contexts:

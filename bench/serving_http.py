@@ -13,7 +13,7 @@ throughput (tokens after each request's first over the span from the first first
 token), per-request decode speed (mean of (output - 1) / (last token - first token)) and time to first
 token (mean, max). A warm-up request runs first. Results are written after every level.
 
-Two engines measured in one run without a second start-up each on the critical path (issue 18's LoRA
+Two engines measured in one run without a second start-up each on the critical path (a LoRA
 cost): start both at once, each with ``--ready-file`` (touched once it has answered its warm-up, or has
 failed to start) and ``--wait-for`` (the levels begin only once every named file exists, or after
 ``--wait-timeout``), e.g. base waits for the LoRA engine's ready file and the LoRA engine for the base's

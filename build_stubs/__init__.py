@@ -8,7 +8,8 @@ How: find a real stub (or generate one from ``cuda.h``) and put it, alone, in a 
 that nothing else uses, with an ``env.sh`` that points ``LIBRARY_PATH`` and
 ``FLASHINFER_EXTRA_LDFLAGS`` at it. Nothing existing is touched.
 
-Facts relied on (the project's FACTS.md, "libcuda stubs"):
+Facts relied on (read from flashinfer 0.6/0.7's ``jit/cpp_ext.py``, binutils' ld and the CUDA driver's
+``cuInit``; checked on the GPU machine, docs/stubs.md):
 - a stub must have SONAME ``libcuda.so.1`` so programs linked against it load the driver at run time;
 - the folder must hold only ``libcuda.so`` (no ``.so.1``) and must never be on LD_LIBRARY_PATH: it
   would shadow the driver (cuInit returns 34, CUDA_ERROR_STUB_LIBRARY);

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Re-split ci/stage-0.21.sh's .devstage/ into parts that fit one device call beside this repository.
 #
-# Why: a call carries 64 MiB in all, the tracked tree included (4.6 MB on 2026-12-01); stage.sh writes parts of
-# 60 MiB, and run 13's first call was refused for it. Same payload, smaller parts, scripts rewritten to match
+# Why: a device call carries 64 MiB in all, the tracked tree included, and a staging of 60 MiB parts leaves no room
+# for the tree (the device tool refuses such a call). Same payload, smaller parts, scripts rewritten to match
 # (stash.sh per part; install.sh's part count).
 # Usage (from the project root, after stage.sh):  bash ci/devstage-resplit.sh [MiB, default 52]
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Source on the GPU machine (issue 9): exllamav3 1.6.5 importable without a build, from what the
+# Source on the GPU machine: exllamav3 1.6.5 importable without a build, from what the
 # device call carries: its wheel (.cache/wheels/exllamav3-1.6.5-py3-none-any.whl, from `make
 # install`), the extension (.cache/exllamav3-ext/exllamav3_ext.so.gz carried, or /tmp/exllamav3_ext.so.gz from
 # ci/exllamav3-build.sh on this machine) and the dependencies the GPU image lacks (ci/exllamav3-deps.sh).

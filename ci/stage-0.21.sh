@@ -7,8 +7,7 @@
 # current repository (git-ignored), and prints the exact run() calls to make.
 #
 # Usage (from the project root):   bash ci/stage-0.21.sh [APHRODITE_VERSION]
-# (The device lease's staging script, kept here so that the repository names no file outside it; runs 1-17
-# used it from the lease with 60 MiB parts, re-split to 52 MiB by ci/devstage-resplit.sh. Parts are 52 MiB now.)
+# Parts of 52 MiB, so that one fits a device call beside the tracked tree.
 #   APHRODITE_VERSION: 0.21.0 (default) or 0.20.0. Both pin torch==2.11.0, which is exactly
 #   the torch on the GPU image (2.11.0+cu130, Python 3.12, transformers 5.17, peft 0.21).
 #   0.22.0 and later pin torch 2.13 and cannot run there; test them on the CPU only.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Stage aphrodite-engine 0.24.x for the H200 machine (issue 17, deliverable 4), the way
+# Stage aphrodite-engine 0.24.x for the GPU machine, the way
 # ci/stage-0.21.sh stages 0.21.0: build the payload here, split it into parts of <= 52 MiB
 # under .devstage-0.24/ (git-ignored) and print the device calls.
 #
 # Why it differs: 0.22.0 and later pin torch 2.13.0 and triton 3.7.1, and the GPU image has torch
 # 2.11.0+cu130. So the payload carries torch 2.13.0 and triton 3.7.1 too, installed into their own
-# folder in front of the image's site-packages, and what run 14 (2026-12-01, on the H200) found torch 2.13 and
-# aphrodite 0.24.1 cannot take from the image:
+# folder in front of the image's site-packages, and what torch 2.13 and aphrodite 0.24.1 cannot take from the image
+# (each seen on the GPU machine, docs/gpu-runs/2026-12-01-run14):
 #   - NCCL: the image has nvidia-nccl-cu13 2.28.9; torch 2.13's libtorch_cuda.so needs ncclCommResume
 #     ("undefined symbol: ncclCommResume" at `import torch`): nvidia-nccl-cu13 2.29.7 (its pin, 206 MB) is carried
 #     into the torch folder, where torch's loader finds it before the image's
@@ -26,7 +26,8 @@ for a in "$@"; do case "$a" in --dry-run) DRY=1 ;; *) VER="$a" ;; esac; done
 ROOT="$(git rev-parse --show-toplevel)"
 CACHE="${DEVSTAGE_CACHE:-$HOME/.cache/devstage}/0.24-$VER"
 OUTD="$ROOT/.devstage-0.24"
-# a call carries 64 MiB with the tracked tree (4.6 MB on 2026-12-01): 60 MiB parts were refused in run 13
+# a device call carries 64 MiB with the tracked tree: parts of 52 MiB leave room for it (tests/ci/test_devstage_resplit.py checks
+# that the tree and one part fit)
 PART_BYTES=$((52 * 1024 * 1024))
 grep -qxF '/.devstage-0.24/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.devstage-0.24/' >> "$ROOT/.git/info/exclude"
 mkdir -p "$CACHE"
@@ -35,7 +36,7 @@ for n in 17 18 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # The runtime: aphrodite itself, the torch and triton it pins, flashinfer at its pin.
 CORE=("aphrodite-engine==$VER" torch==2.13.0 triton==3.7.1 flashinfer-python==0.6.18 apache-tvm-ffi==0.1.11)
-# installed beside torch (see above; run 14)
+# installed beside torch (see above)
 TORCH_SIDE=(nvidia-nccl-cu13==2.29.7 torchvision==0.28.0)
 # What 0.24.x imports on the way to serving (its METADATA's pins) that the image lacks or has in an
 # older version; plus the server's extras, as stage.sh ships them for 0.21.

@@ -28,7 +28,7 @@ lane() {  # one release (or none): its whole suite, output to its own log
   [ "$v" = none ] || site="$PWD/.cache/aphrodite/$v"
   local t0=$SECONDS
   # one thread per lane: the lanes already fill the cores (torch's own pool would double-book them)
-  PYTHONPATH="$site" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" tests/unit tests/upstream > "$logs/$v.log" 2>&1
+  PYTHONPATH="$site" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" tests/unit tests/bench tests/ci tests/upstream > "$logs/$v.log" 2>&1
   echo "$? $((SECONDS - t0))" > "$logs/$v.rc"
 }
 export -f lane; export PY logs

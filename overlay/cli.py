@@ -190,7 +190,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def make_full(args: argparse.Namespace) -> int:
-    """Full-depth presets (issue 18): streamed layer by layer on the GPU, no dense twin."""
+    """Full-depth presets: streamed layer by layer on the GPU, no dense twin."""
     try:
         from hybrid_exl3_fixes.checkpoint.stream import full_spec, write_full
 

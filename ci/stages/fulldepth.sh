@@ -5,7 +5,7 @@
 # /tmp/hxf-out/fulldepth; bundle: fulldepth-results.tgz beside it).
 #   HXF_PRESETS="qwen3.6-27b-full qwen3.5-9b-full"   which full-depth presets (default: the 27B only); NAME:CODEBOOK
 #                                                    writes that preset in one codebook (make-tiny --codebook,
-#                                                    e.g. qwen3.6-27b-full:mixed: issue 18's P3 cost at full
+#                                                    e.g. qwen3.6-27b-full:mixed: P3's cost at full
 #                                                    depth against the preset's mcg), results as NAME-CODEBOOK-*
 #   HXF_FD_SECONDS                                   no new piece after this many seconds (default 1500)
 #   HXF_FD_KINDS="base exllamav3 lora"               which pieces, in this order ("base lora exllamav3" measures

@@ -20,7 +20,7 @@ Probe:   the launch is compiled, but which library holds it is plain source: the
          loads ``aphrodite._moe_C_stable_libtorch`` (0.22+: UPSTREAM_FIXED) or ``aphrodite._moe_C`` (0.20 - 0.21:
          buggy); anything else is drift. Read from the platform modules' files, which cannot be imported without
          the compiled kernels.
-Upstream: fixed in 0.22.0; the backport for 0.20 - 0.21 is patches/0014-moe-lora-align-every-active-slot.patch.
+Upstream: fixed in 0.22.0; the backport for 0.20 - 0.21 is patches/0014-moe-lora-align-grid.patch.
 Retire when: 0.22.0 is the oldest supported release.
 """
 
@@ -110,11 +110,11 @@ def build_align(original: Any) -> Any:
 
 PATCH = Patch(
     id="P14",
-    slug="moe-lora-align-every-active-slot",
+    slug="moe-lora-align-grid",
     title="MoE LoRA (0.20 - 0.21 kernels): the align kernel given every active adapter slot within its max_loras "
     "blocks, so the last slot of a batch with base-model tokens keeps its expert deltas",
     upstream="fixed in 0.22.0 (vLLM #40131, in dphnAI/sonar 9163801a7); backport: "
-    "patches/0014-moe-lora-align-every-active-slot.patch",
+    "patches/0014-moe-lora-align-grid.patch",
     fixed_in="0.22.0",
     retire_when="0.22.0 is the oldest supported release",
     targets=(ALIGN,),

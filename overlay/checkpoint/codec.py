@@ -1,6 +1,8 @@
 """Reference EXL3 codec in plain PyTorch (CPU or GPU), written from the format description.
 
-Format (exllamav3 1.6.5 as read by aphrodite 0.21; see the project's FACTS.md):
+Format (exllamav3 1.6.5, ``exllamav3/modules/quant/exl3_lib/quantize.py`` and its ``exllamav3_ext/quant``
+codebook kernels, as aphrodite-engine 0.21.0's ``quantization/exl3.py`` loads it; each rule checked bit for bit against
+aphrodite's ``exl3_reconstruct`` on an H200, docs/gpu-runs/2026-11-30-run1 and tests/gpu/test_kernels.py):
 
 * A quantized linear with in-features ``I``, out-features ``O`` and integer bitrate ``K`` stores
   ``trellis`` int16 ``(I/16, O/16, 16*K)``, ``suh`` fp16 ``(I,)``, ``svh`` fp16 ``(O,)`` and an

@@ -1,4 +1,4 @@
-"""Full-depth EXL3 checkpoints for benchmarks, written layer by layer (issue 18).
+"""Full-depth EXL3 checkpoints for benchmarks, written layer by layer.
 
 A published Qwen3.5/3.6 model quantized by exllamav3 is several to tens of GB; writing one the way
 ``tiny.py`` writes a tiny model (every tensor in host memory, the dense twin decoded) would need that

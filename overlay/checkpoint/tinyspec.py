@@ -122,8 +122,9 @@ PRESETS: dict[str, dict] = {
 
 @dataclass
 class TinySpec:
-    """What to write. Defaults: the tiny config of FACTS.md (loads in aphrodite 0.21, 128-aligned
-    also per rank at TP=2)."""
+    """What to write. Defaults: a tiny Qwen3.5 hybrid (hidden 256, 4 layers [GDN x 3, attention], head_dim 256)
+    that loads in aphrodite-engine 0.21.0 at TP 1 and 2 (every EXL3 dimension, and each TP=2 slice, a multiple of
+    128: aphrodite's ``quantization/exl3.py`` refuses others; served on an H200, docs/gpu-runs/2026-11-30-run1)."""
 
     bits: int = 4
     codebook: str = "mcg"  # or "3inst", "mul1", or "mixed" (cycles through the three per layer)

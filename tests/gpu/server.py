@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from serving import root_cause  # noqa: E402  (bench/serving.py: the engine core's own error in a log)
 
 OVERLAY_LINE = re.compile(r"hybrid-exl3-fixes: (applied=\d+ upstream_fixed=\d+ drifted=\d+[^\n]*)")
-# startup figures the engine logs (issue 19 compares doctor's plan with them)
+# startup figures the engine logs (bench/memory_plan_report.py compares doctor's plan with them)
 STARTUP_FIGURES = {
     "available_kv_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
     "kv_cache_tokens": re.compile(r"GPU KV cache size: ([\d,]+) tokens"),

@@ -18,7 +18,7 @@ import pytest
 
 from harness import HERE, compare, run_engine
 
-A, B = (1024, 2048, 3), (2048, 1024, 4)  # the shapes of issue 4's experiment
+A, B = (1024, 2048, 3), (2048, 1024, 4)  # two shapes of different bitrates, as the probe experiment used
 
 
 def calls(codebooks, shapes, path="linear_one", rows=4):
@@ -66,7 +66,7 @@ def table(result):
 ISSUE_ORDERS = [("mcg", "mul1", "3inst", "mcg"), ("mul1", "mcg", "3inst", "mul1"), ("mul1", "mul1", "mcg", "mcg")]
 
 SCENARIOS = {
-    # issue 4's three orders, two shapes alternating, 4 rows
+    # three codebook orders, two shapes alternating, 4 rows
     **{f"issue-order-{i + 1}": calls(list(order), [A, B, A, B]) for i, order in enumerate(ISSUE_ORDERS)},
     # one shape and K: every later codebook runs the first one's kernel
     "same-key": calls(["mcg", "mul1", "3inst", "mcg", "3inst"], A),

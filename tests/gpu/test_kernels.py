@@ -1,7 +1,7 @@
 """aphrodite 0.21.0's EXL3 kernels against the reference codec (GPU).
 
 Each codebook gets a layer shape of its own: the small-batch GEMM keeps the first codebook it
-ran for a shape (issue 4), and this suite must not depend on test order."""
+ran for a shape (docs/upstream/exl3-gemm-codebook-cache.md), and this suite must not depend on test order."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ CELLS = {
         "serve",
     ),
     "moe-eager-bf16-lora-experts": (True, ("lora-a", "lora-experts"), ["--enforce-eager"], {}, "refuse"),
-    # P13 opted in (0.21+, issue 35; docs/drafts/p13-moe-expert-lora.md): an adapter in PEFT's target_parameters form
+    # P13 opted in (0.21+; docs/drafts/p13-moe-expert-lora.md): an adapter in PEFT's target_parameters form
     # on the fused experts served against HF + PEFT, alone and mixed with the base and lora-a in one batch
     "moe-eager-bf16-lora-experts3d-p13": (True, EXPERTS_3D, ["--enforce-eager"], {P13_ON: "1"}, "serve"),
     "moe-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),

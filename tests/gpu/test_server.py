@@ -24,7 +24,7 @@ which skips the memory profiling that concurrent starts would disturb) and asks 
 --gpu-memory-utilization; everything else is the server's default (attention backend, CUDA
 graphs, torch.compile, prefix caching, chunked prefill, scheduler limits) except
 --gdn-prefill-backend triton (the default FlashInfer GDN prefill JIT-compiles for minutes on a
-fresh machine: FACTS.md) and --language-model-only (text only).
+fresh machine) and --language-model-only (text only); the cells marked for the defaults run without both.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ CELLS = {
         {"HYBRID_EXL3_FIXES_DISABLE": "P4"},
         "crash",
     ),
-    # tensor parallel 2 (issue 20): the user's configuration on two GPUs; skipped on one
+    # tensor parallel 2: the user's configuration on two GPUs; skipped on one
     "tp2-compiled-bf16-lora": ("bfloat16", False, True, ["--tensor-parallel-size", "2"], {}, "serve"),
     "tp2-compiled-bf16-nolora": ("bfloat16", False, False, ["--tensor-parallel-size", "2"], {}, "serve"),
     "tp2-compiled-bf16-lora-fp8kv": (

@@ -1,4 +1,4 @@
-"""Run by test_p11_lora_lm_head.py in its own process (it sets up aphrodite's TP group of one, on CPU, over gloo):
+"""Run by test_p11_lora_utils.py in its own process (it sets up aphrodite's TP group of one, on CPU, over gloo):
 the LoRA manager's ``from_layer_logits_processor`` on a real ``ParallelLMHead`` with the real ``Exl3LinearMethod``
 and on an unquantized one, without and with the overlay. Prints one JSON document."""
 

@@ -181,7 +181,7 @@ def test_compiled_mode_warns_only_for_float16_activations_without_p4(tiny, check
 
 
 def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_trigger(tmp_path, capsys):
-    """The must-show of issue 15 end to end: a make-tiny (bfloat16, as exllamav3 writes) checkpoint gets
+    """End to end: a make-tiny (bfloat16, as exllamav3 writes) checkpoint gets
     OK; a float16 one gets OK where P4 runs (the installed aphrodite has the bug and the overlay fixes it)
     and WARN where P4 is switched off."""
     import os

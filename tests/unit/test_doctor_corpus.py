@@ -1,4 +1,4 @@
-"""doctor on hundreds of broken model folders (issue 16): no traceback, a non-zero exit, a message
+"""doctor on hundreds of broken model folders: no traceback, a non-zero exit, a message
 that names the problem.
 
 Every case is a copy of a good make-tiny folder (files linked, the broken one written) with one

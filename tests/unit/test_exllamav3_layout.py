@@ -1,4 +1,4 @@
-"""The tiny checkpoint's EXL3 layout against exllamav3's own code (issue 9, part 1).
+"""The tiny checkpoint's EXL3 layout against exllamav3's own code.
 
 exllamav3 is the format's owner. Its package is not imported (that JIT-compiles its CUDA
 extension); its sources (ci/exllamav3-source.sh) are read with ``ast`` at test time, so the

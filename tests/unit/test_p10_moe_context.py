@@ -148,7 +148,7 @@ def test_the_upstream_diff_fixes_what_the_probe_looks_for(aphrodite_copy):
 
     from helpers import ROOT, by_id, run_status
 
-    patch = ROOT / "patches" / "0010-exl3-moe-context-before-capture.patch"
+    patch = ROOT / "patches" / "0010-exl3-moe-context-in-capture.patch"
     proc = subprocess.run(
         ["git", "apply", "--include=aphrodite/*", str(patch)], cwd=aphrodite_copy, capture_output=True, text=True
     )

@@ -258,7 +258,7 @@ def test_unknown_probe_answer_is_drifted(aphrodite_copy):
 # -- patches/ ---------------------------------------------------------------------------------
 
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
-# Diffs of aphrodite's Python sources (the wheels hold those); csrc diffs (0004) touch sources the
+# Diffs of aphrodite's Python sources (the wheels hold those); csrc diffs (0003, 0014) touch sources the
 # wheels do not ship.
 PYTHON_PATCHES = [p for p in PATCHES if "\ndiff --git a/aphrodite/" in p.read_text()]
 
@@ -287,7 +287,7 @@ def applies_to(patch: Path, version: str) -> bool:
 @needs_buggy
 def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
     for patch in PYTHON_PATCHES:
-        if not applies_to(patch, APHRODITE_VERSION):  # 0007: 0.20.0 has the check it restores
+        if not applies_to(patch, APHRODITE_VERSION):  # 0006: 0.20.0 has the check it restores
             continue
         proc = _git_apply(aphrodite_copy, patch)
         assert proc.returncode == 0, f"{patch.name}: {proc.stderr}"
@@ -305,7 +305,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P5": "UPSTREAM_FIXED",
         "P6": "UPSTREAM_FIXED",
         "P7": "UPSTREAM_FIXED",
-        "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding_ids.py reads it
+        "P9": "NOT_APPLICABLE",  # 0009 applies to 0.23.0 / 0.24.1, where tests/unit/test_p9_moe_padding.py reads it
         "P10": "NOT_APPLICABLE",  # 0010 applies to 0.24.1, where tests/unit/test_p10_moe_context.py reads it
         "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "UPSTREAM_FIXED",

@@ -1,4 +1,4 @@
-"""make-tiny's config.json against the published configs it imitates, field by field (issue 28).
+"""make-tiny's config.json against the published configs it imitates, field by field.
 
 Every field the published config carries, make-tiny writes, and nothing else; every value is the published
 one except the deliberate differences named below, each with its reason. The published configs are kept in

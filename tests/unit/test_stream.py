@@ -1,4 +1,4 @@
-"""The full-depth writer (issue 18): sharded layer by layer, EXL3 lm_head at its own bitrate, the
+"""The full-depth writer: sharded layer by layer, EXL3 lm_head at its own bitrate, the
 folder as doctor and aphrodite read it; the published shapes' presets."""
 
 from __future__ import annotations

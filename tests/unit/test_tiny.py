@@ -314,7 +314,7 @@ def test_progress_bar_appears_only_for_long_work(capsys):
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_splits_into_whole_hadamard_blocks_at_tp2(preset):
-    """Tensor parallel 2 (issue 20): every preset's column- and row-split dimensions are multiples of
+    """Tensor parallel 2: every preset's column- and row-split dimensions are multiples of
     128 x 2, so each rank of a TP=2 engine holds whole Hadamard blocks; TP=4 is refused where it would not."""
     from hybrid_exl3_fixes.checkpoint.tiny import _check
 

@@ -1,4 +1,4 @@
-"""The tiny MoE hybrid (make-tiny --preset tiny-moe, issue 17): a Qwen3_5MoeForConditionalGeneration
+"""The tiny MoE hybrid (make-tiny --preset tiny-moe): a Qwen3_5MoeForConditionalGeneration
 with routed experts and a shared expert, experts in EXL3 mcg. Its names and tensor_storage against
 exllamav3's sources (read with ast), its dense twin against transformers, its EXL3 experts against
 aphrodite's own Exl3Config, and doctor's MoE checks."""

@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
                         strict=True,
                         reason=(
                             "codebook-blind exl3_gemm (P3 APPLIED): the overlay routes conflicting layers at load "
-                            "time; the op itself is fixed only by patches/0004"
+                            "time; the op itself is fixed only by patches/0003"
                         ),
                     )
                 )

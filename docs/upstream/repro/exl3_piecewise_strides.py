@@ -21,7 +21,7 @@ compiled-vs-eager difference. Result on torch 2.13 (CPU):
   ``pattern_matcher=False`` the strides match again;
 - --fp16 --opaque-cat: strides match, difference 0.0.
 On the H200 the same mismatch is the illegal memory access of docs/upstream/exl3-compiled-illegal-address.md.
-The unit suite imports ``run`` (tests/unit/test_p4_fp16_cat_split.py)."""
+The unit suite imports ``run`` (tests/unit/test_p4_fp16_cat.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Patches to files of ``aphrodite/lora/`` (``utils.py``: P11)."""

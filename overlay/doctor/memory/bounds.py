@@ -1,5 +1,5 @@
 """How far each term of doctor's memory plan (arithmetic.plan) may be from what the engine will find, and the range of
-KV pool and concurrency that leaves (issue 34).
+KV pool and concurrency that leaves.
 
 Every term gets ``low`` (it may be this many bytes smaller) and ``high`` (this many larger) with ``why``: the
 calibration rows it rests on (bench/results/memory_plan.md: 0.21.0 on an H200, 0.24.1 on an H100), or the source it is

@@ -8,7 +8,7 @@ Why:     ``BaseLinearLayerWithLoRA.weight`` returns ``weight``, ``weight_packed`
 How:     Wrap the property: when the original raises for a layer with EXL3 tensors, return the
          layer's registered ``trellis`` placeholder parameter (the EXL3 counterpart of GPTQ's
          ``qweight``; it lives on the model's device and holds the shards in ``exl3_tensors``).
-Upstream: not reported yet; the upstream-ready diff is patches/0003-lora-weight-exl3.patch.
+Upstream: not reported yet; the upstream-ready diff is patches/0002b-lora-weight-exl3.patch.
 Retire when: an aphrodite release gives ``BaseLinearLayerWithLoRA.weight`` an EXL3 branch (the
          probe then reports UPSTREAM_FIXED).
 """
@@ -46,7 +46,7 @@ PATCH = Patch(
     id="P2b",
     slug="lora-weight-exl3",
     title="LoRA wrapper .weight for EXL3 base layers (latent)",
-    upstream="not reported yet (patches/0003-lora-weight-exl3.patch)",
+    upstream="not reported yet (patches/0002b-lora-weight-exl3.patch)",
     fixed_in=None,
     retire_when="an aphrodite release gives BaseLinearLayerWithLoRA.weight an EXL3 branch",
     targets=(WEIGHT,),

@@ -31,7 +31,7 @@ Probe:   the live ``can_replace_layer`` accepts a stand-in EXL3 MoE layer (an un
          neither overrides ``select_gemm_impl`` nor assigns a modular kernel (``moe_kernel``)
          anywhere in its class. An upstream release that gives EXL3 experts a LoRA-capable
          kernel, or declines them itself, reports UPSTREAM_FIXED.
-Upstream: not reported yet; the upstream-ready diff is patches/0006-exl3-moe-lora.patch and the
+Upstream: not reported yet; the upstream-ready diff is patches/0005-exl3-moe-lora-device.patch and the
          write-up docs/upstream/exl3-moe-lora-device.md.
 Retire when: an aphrodite release applies LoRA to EXL3 experts (or declines them) and is the
          oldest supported one.
@@ -215,9 +215,9 @@ def build(live: dict[str, Live]) -> dict[str, Any]:
 
 PATCH = Patch(
     id="P5",
-    slug="exl3-moe-lora",
+    slug="exl3-moe-lora-device",
     title="EXL3 MoE + LoRA: experts left unwrapped, expert adapters refused by name",
-    upstream="not reported yet (patches/0006-exl3-moe-lora.patch)",
+    upstream="not reported yet (patches/0005-exl3-moe-lora-device.patch)",
     fixed_in=None,
     retire_when="an aphrodite release applies LoRA to EXL3 experts (or declines them) and is the oldest supported one",
     targets=(WRAPPER_2D, WRAPPER_3D, LOAD),

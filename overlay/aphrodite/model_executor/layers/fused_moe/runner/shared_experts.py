@@ -22,7 +22,7 @@ Probe:   asked about a stand-in whose shared expert is EXL3, the live ``_determi
          does not answer NO_OVERLAP from that alone, and its code can choose MULTI_STREAM_OVERLAPPED
          without reading the quant method's ``supports_shared_expert_overlap`` (Exl3MoEMethod declares
          it False). 0.20.0 reads it: UPSTREAM_FIXED there.
-Upstream: not reported yet; the upstream-ready diff is patches/0007-exl3-moe-shared-expert-stream.patch.
+Upstream: not reported yet; the upstream-ready diff is patches/0006-exl3-moe-shared-expert-stream.patch.
 Retire when: an aphrodite release keeps EXL3 shared experts off the aux stream (or gives EXL3 kernels a
          lock array per stream) and is the oldest supported one.
 """
@@ -76,7 +76,7 @@ def probe_shared_expert_stream(live: dict[str, Live]) -> bool:
     code = function.__code__
     if "MULTI_STREAM_OVERLAPPED" not in code.co_names:
         raise NotApplicable("SharedExperts never chooses the auxiliary stream here")
-    # read as an attribute (0.20.0) or by getattr with a default (patches/0007)
+    # read as an attribute (0.20.0) or by getattr with a default (patches/0006)
     return "supports_shared_expert_overlap" not in (*code.co_names, *code.co_consts)
 
 
@@ -103,7 +103,7 @@ PATCH = Patch(
     id="P6",
     slug="exl3-moe-shared-expert-stream",
     title="EXL3 shared expert kept on the main stream (EXL3 kernels share one lock array)",
-    upstream="not reported yet (patches/0007-exl3-moe-shared-expert-stream.patch)",
+    upstream="not reported yet (patches/0006-exl3-moe-shared-expert-stream.patch)",
     fixed_in=None,
     retire_when="an aphrodite release keeps EXL3 shared experts off the aux stream and is the oldest supported one",
     targets=(ORDER,),

@@ -22,7 +22,7 @@ Probe:   NOT_APPLICABLE where the routers never mark padding (0.20 - 0.22) or ``
          ``num_active`` (0.23.0); buggy unless the load path already calls ``ops.exl3_moe`` itself. A fix in the
          C++ alone (patches/0010's exl3_moe.cu half) is invisible to the probe: the launch then costs one
          kernel per layer at load and changes nothing else.
-Upstream: not reported yet; the upstream-ready diff is patches/0010-exl3-moe-context-before-capture.patch.
+Upstream: not reported yet; the upstream-ready diff is patches/0010-exl3-moe-context-in-capture.patch.
 Retire when: an aphrodite release prepares the context before the idle-launch return (or at load) and is the
          oldest supported one.
 """
@@ -132,10 +132,10 @@ build_moe_context_warmup = builds_after_loading(
 
 PATCH = Patch(
     id="P10",
-    slug="exl3-moe-context-before-capture",
+    slug="exl3-moe-context-in-capture",
     title="EXL3 routed experts: launch the fused kernel once at load, so its device context exists before "
     "CUDA-graph capture (0.24+)",
-    upstream="not reported yet (patches/0010-exl3-moe-context-before-capture.patch)",
+    upstream="not reported yet (patches/0010-exl3-moe-context-in-capture.patch)",
     fixed_in=None,
     retire_when="an aphrodite release allocates exllamav3's device context before the kernel's idle-launch return "
     "(or at load) and is the oldest supported one",

@@ -280,7 +280,7 @@ def _time(fns: dict, torch) -> dict:
 
 PATCH = Patch(
     id="P12",
-    slug="exl3-mid-batch-path",
+    slug="exl3-mid-batch-rebuild",
     title="EXL3 linear layers at 16 - 256 rows: the tiled GEMM, the rebuild or a kept float16 weight, measured per "
     "layer at load instead of a fixed 144-row threshold",
     upstream="docs/upstream/exl3-mid-batch-rebuild.md (not reported upstream)",

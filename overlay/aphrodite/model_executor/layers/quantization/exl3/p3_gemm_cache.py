@@ -20,7 +20,7 @@ How:     Python cannot reach the C++ cache, so the plan is made at load time, pe
          -- every layer of a single-codebook model -- are not touched and pay nothing per call.
          One WARNING per process names the first routed layer; the rest are logged at INFO.
 Upstream: not reported before this project; report draft and fix in
-         docs/upstream/exl3-gemm-codebook-cache.md and patches/0004-exl3-gemm-cache-codebook.patch.
+         docs/upstream/exl3-gemm-codebook-cache.md and patches/0003-exl3-gemm-codebook-cache.patch.
          aphrodite-engine 0.24.0 (and 0.24.1) keys its replacement autotuner on the codebook
          (``gemm_autotune_hash(..., cb)``): the probe reports UPSTREAM_FIXED there.
 Retire when: the oldest supported aphrodite-engine is 0.24.x.

@@ -21,7 +21,7 @@ How:     For float16 input to a layer with several shards and no fused mgemm ker
          The probe runs the live ``apply`` on meta tensors (~2 ms) and looks at the last op that
          produced its output: a bare ``aten.cat`` is the bug.
 Upstream: not reported before this project; report and diff in
-         docs/upstream/exl3-compiled-illegal-address.md and patches/0005-exl3-fp16-cat-split.patch.
+         docs/upstream/exl3-compiled-illegal-address.md and patches/0004-exl3-compiled-illegal-address.patch.
          Present in every release from 0.20.0 to 0.24.1 (the same ``apply``; CPU suite).
 Retire when: aphrodite joins EXL3 shard outputs where Inductor cannot fold them (the probe then
          reports UPSTREAM_FIXED), or PyTorch's rewrite keeps the split outputs' strides.
@@ -144,7 +144,7 @@ def build_fp16_fused_cat(live: dict[str, Live]) -> dict[str, Any]:
 
 PATCH = Patch(
     id="P4",
-    slug="exl3-fp16-cat-split",
+    slug="exl3-compiled-illegal-address",
     title="fused EXL3 projection in float16: join the shard outputs where Inductor cannot fold the GDN split",
     upstream="docs/upstream/exl3-compiled-illegal-address.md (not reported upstream before this project)",
     fixed_in=None,

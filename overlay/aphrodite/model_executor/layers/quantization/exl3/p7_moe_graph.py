@@ -21,8 +21,8 @@ How:     While a graph is being captured and the batch has more rows than can be
          and batches that cannot overflow go to the original unchanged.
 Probe:   the live ``apply`` (its source, read with ``inspect``) returns from a branch that tests
          ``is_current_stream_capturing`` after calling ``exl3_moe`` (the fallback is skipped in graphs),
-         and has no such branch ahead of the kernel (where patches/0008 chunks the batch).
-Upstream: not reported yet; the upstream-ready diff is patches/0008-exl3-moe-graph-expert-capacity.patch.
+         and has no such branch ahead of the kernel (where patches/0007 chunks the batch).
+Upstream: not reported yet; the upstream-ready diff is patches/0007-exl3-moe-graph-expert-capacity.patch.
 Retire when: an aphrodite release runs the overflow experts (or chunks the batch) under capture and is
          the oldest supported one.
 """
@@ -86,7 +86,7 @@ def returns_when_capturing(function) -> bool:
         )
         if tests_capture and any(isinstance(n, ast.Return) for b in node.body for n in ast.walk(b)):
             returns["before" if node.lineno < kernel_line else "after"] = True
-    # a capture branch ahead of the kernel (patches/0008 chunks the batch there) means the graph path no
+    # a capture branch ahead of the kernel (patches/0007 chunks the batch there) means the graph path no
     # longer ends at the kernel alone
     return returns["after"] and not returns["before"]
 
@@ -171,7 +171,7 @@ PATCH = Patch(
     id="P7",
     slug="exl3-moe-graph-expert-capacity",
     title="EXL3 routed experts in a CUDA graph: chunk the batch so no expert exceeds the fused kernel's capacity",
-    upstream="not reported yet (patches/0008-exl3-moe-graph-expert-capacity.patch)",
+    upstream="not reported yet (patches/0007-exl3-moe-graph-expert-capacity.patch)",
     fixed_in=None,
     retire_when="an aphrodite release computes the experts the fused kernel skips under CUDA-graph capture and is "
     "the oldest supported one",

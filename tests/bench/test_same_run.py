@@ -15,17 +15,17 @@ import pytest
 from helpers import ROOT, free_port, install_fake_aphrodite
 
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
 import exl3_worker  # noqa: E402
 import same_run  # noqa: E402
-from test_bench_fulldepth import STREAMING_APHRODITE  # noqa: E402
+from test_serving_http import STREAMING_APHRODITE  # noqa: E402
 
 FAKE_GENERATOR_SCRIPT = textwrap.dedent("""\
     # stand-in for bench/exllamav3_generator.py --serve (fake input: the generator); serve() is the real one
     import json, sys
     sys.path[:0] = [{bench!r}, {unit!r}, {tests!r}]
     import exllamav3_generator as real
-    from test_bench_fulldepth import _Generator, _Job
+    from test_serving_http import _Generator, _Job
 
     class Torch:
         tensor = staticmethod(lambda x: x)
@@ -49,7 +49,7 @@ def engines(tmp_path, monkeypatch):
     fake_bench = tmp_path / "fake-bench"
     fake_bench.mkdir()
     script = FAKE_GENERATOR_SCRIPT.format(
-        bench=str(ROOT / "bench"), unit=str(ROOT / "tests" / "unit"), tests=str(ROOT / "tests")
+        bench=str(ROOT / "bench"), unit=str(ROOT / "tests" / "bench"), tests=str(ROOT / "tests")
     )
     (fake_bench / "exllamav3_generator.py").write_text(script)
     monkeypatch.setattr(exl3_worker, "BENCH", fake_bench)

@@ -1,4 +1,4 @@
-"""bench/memory_calibration.py: the configurations issue 34's device session starts, and the start-up figures it
+"""bench/memory_calibration.py: the configurations a calibration run starts, and the start-up figures it
 reads from both measurement styles (0.20-0.22 log the non-torch split, 0.23+ the free-memory drop)."""
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def test_engines_option_runs_only_the_named_engines(tmp_path):
 
 
 def test_issue18_workload_options_reach_every_engine(tmp_path):
-    """--prompt/--output/--concurrency (issue 18: prompt 512, output 256, N up to 256) set each engine's
+    """--prompt/--output/--concurrency (prompt 512, output 256, N up to 256) set each engine's
     workload and limits; only the concurrency engine takes the sweep."""
     args = serving.parser().parse_args(
         [str(tmp_path), "--prompt", "512", "--output", "256", "--concurrency", "1,2,256", "--only", "concurrency,lora"]

@@ -1,164 +1,12 @@
-"""P1, P2, P2b against the real aphrodite-engine modules (CPU).
-
-On 0.20.0/0.21.0 each test first reproduces the upstream failure on the unpatched code, then
-shows the overlay removes it; on 0.24.1 the overlay must leave every fixed target untouched.
-"""
+"""The registry (overlay/registry.py) on the real aphrodite-engine modules and on stand-in patches (CPU): probes
+before and after apply, apply twice, undo last in first out, the off switch, releases with the fix left alone, the
+apply order ``Patch.after`` declares, and the tag a probe reads."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers import APHRODITE_VERSION, NO_KERNELS, exl3_param, needs_aphrodite, needs_buggy, needs_fixed
-
-pytestmark = needs_aphrodite
-
-GDN_PREFIX = "language_model.model.layers.0.linear_attn.in_proj_qkv"
-# Bug 1's message as seen on the H200 (FACTS.md), for the shard ids [0, 1, 2].
-BUG1_MESSAGE = (
-    f"Missing EXL3 tensors for {GDN_PREFIX}: suh[0], suh[1], suh[2], svh[0], svh[1], svh[2], "
-    "trellis[0], trellis[1], trellis[2]"
-)
-
-
-def gdn_in_proj_qkv(exl3, method):
-    """A LoRA-path GDN in_proj_qkv as create_weights + qwen3_5.load_weights leave it (TP=1).
-
-    create_weights itself refuses to run without CUDA, so its bookkeeping is replayed here with
-    the method's own _shard_ids_for_layer; the tensors are loaded through the real weight loader
-    with the shard id qwen3_5.py uses under enable_lora: (0, 1, 2).
-    """
-    layer = torch.nn.Module()
-    layer.prefix = GDN_PREFIX
-    sizes = [256, 256, 512]  # key_dim, key_dim, value_dim
-    layer.exl3_tp_rank, layer.exl3_tp_size = 0, 1
-    layer.exl3_parallel_mode = "column"
-    layer.input_size_per_partition = 256
-    layer.exl3_shard_ids = method._shard_ids_for_layer(layer, sizes)
-    for name in ("suh", "svh", "trellis", "mcg", "mul1"):
-        layer.register_parameter(name, exl3_param(exl3))
-    shapes = {"suh": (256,), "svh": (1024,), "trellis": (16, 64, 64)}
-    for name, shape in shapes.items():
-        exl3._exl3_weight_loader(getattr(layer, name), torch.zeros(shape), (0, 1, 2))
-    return layer
-
-
-def exl3_base_layer():
-    """A loaded EXL3 linear as the LoRA wrapper sees it (fake input: placeholders + one shard)."""
-    from hybrid_exl3_fixes.shared import fake_exl3_layer
-
-    layer = fake_exl3_layer()
-    layer.input_size, layer.tp_size, layer.tp_rank = 256, 1, 0
-    return layer
-
-
-# -- P1 -------------------------------------------------------------------------------------
-
-
-@needs_buggy
-def test_p1_unpatched_fails_with_upstream_error(overlay):
-    import aphrodite.model_executor.layers.quantization.exl3 as exl3
-
-    method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))
-    layer = gdn_in_proj_qkv(exl3, method)
-    assert layer.exl3_shard_ids == [0, 1, 2]
-    with pytest.raises(ValueError) as err:
-        method.process_weights_after_loading(layer)
-    assert str(err.value) == BUG1_MESSAGE
-
-
-@needs_buggy
-def test_p1_patched_loads_the_fused_shard(overlay):
-    import aphrodite.model_executor.layers.quantization.exl3 as exl3
-
-    results = {r.patch.id: r for r in overlay.apply_all()}
-    assert results["P1"].status.value == "APPLIED"
-    method = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))
-    layer = gdn_in_proj_qkv(exl3, method)
-    assert layer.exl3_shard_ids == [(0, 1, 2)]
-    # Past the missing-tensor check; without CUDA the next step (moving shards to the current
-    # CUDA device) is the first thing that may fail, and it is not bug 1.
-    try:
-        method.process_weights_after_loading(layer)
-    except (AssertionError, RuntimeError) as exc:
-        assert not torch.cuda.is_available() and "Missing EXL3 tensors" not in str(exc)
-    # Other projections keep their upstream answers.
-    for prefix, sizes, expected in [
-        ("model.layers.3.self_attn.qkv_proj", [512, 256, 256], ["q", "k", "v"]),
-        ("model.layers.0.mlp.gate_up_proj", [512, 512], [0, 1]),
-        ("model.layers.0.linear_attn.in_proj_qkvz", [256, 256, 512, 512], [(0, 1, 2), 3]),
-        ("model.layers.0.linear_attn.in_proj_qkv", [1024], [None]),
-        ("model.layers.0.linear_attn.out_proj", [256, 256], [0, 1]),
-    ]:
-        layer = torch.nn.Module()
-        layer.prefix = prefix
-        assert method._shard_ids_for_layer(layer, sizes) == expected, prefix
-
-
-@needs_buggy
-def test_p1_patches_the_class_so_existing_instances_see_it(overlay):
-    import aphrodite.model_executor.layers.quantization.exl3 as exl3
-
-    before = exl3.Exl3LinearMethod(exl3.Exl3Config(bits=4.0))  # made before the plugin ran
-    overlay.apply_all()
-    layer = torch.nn.Module()
-    layer.prefix = GDN_PREFIX
-    assert before._shard_ids_for_layer(layer, [256, 256, 512]) == [(0, 1, 2)]
-    assert isinstance(vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"], staticmethod)
-
-
-# -- P2 / P2b -------------------------------------------------------------------------------
-
-
-@needs_buggy
-def test_p2_unpatched_fails_with_upstream_error(overlay):
-    from aphrodite.lora.layers.base_linear import BaseLinearLayerWithLoRA
-
-    with pytest.raises(ValueError, match=r"^Unsupported base layer: "):
-        BaseLinearLayerWithLoRA(exl3_base_layer())
-
-
-@needs_buggy
-def test_p2_patched_lora_wrapper_takes_the_exl3_device(overlay):
-    from aphrodite.lora.layers import base_linear, fused_moe, utils
-
-    overlay.apply_all()
-    layer = exl3_base_layer()
-    wrapper = base_linear.BaseLinearLayerWithLoRA(layer)
-    assert wrapper.device == layer.trellis.exl3_tensors[(0, 1, 2)].device
-    # every binding site answers, the MoE one for an EXL3 MoE layer too
-    moe = torch.nn.Module()
-    moe.w2_trellis = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    moe.w2_trellis.exl3_tensors = {(0, "w2"): torch.zeros(2)}
-    for site in (utils, base_linear, fused_moe):
-        assert site._get_lora_device(layer) == torch.device("cpu")
-        assert site._get_lora_device(moe) == torch.device("cpu")
-    # non-EXL3 layers keep the upstream answers and errors
-    dense = torch.nn.Linear(4, 4)
-    assert utils._get_lora_device(dense) == dense.weight.device
-    with pytest.raises(ValueError, match="Unsupported base layer"):
-        utils._get_lora_device(torch.nn.Module())
-
-
-@needs_buggy
-def test_p2b_weight_property(overlay):
-    from aphrodite.lora.layers.base_linear import BaseLinearLayerWithLoRA
-
-    overlay.apply_all()
-    layer = exl3_base_layer()
-    wrapper = BaseLinearLayerWithLoRA(layer)
-    assert wrapper.weight is layer.trellis
-    wrapper_dense = BaseLinearLayerWithLoRA(_dense_base())
-    assert wrapper_dense.weight is wrapper_dense.base_layer.weight
-
-
-def _dense_base():
-    layer = torch.nn.Linear(4, 4)
-    layer.input_size, layer.tp_size, layer.tp_rank = 4, 1, 0
-    return layer
-
-
-# -- registry behaviour on the real modules -------------------------------------------------
+from helpers import APHRODITE_VERSION, NO_KERNELS, needs_buggy, needs_fixed
 
 
 @needs_buggy
@@ -178,7 +26,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P11", "APPLIED"),
         ("P12", "NOT_APPLICABLE"),  # 0.20/0.21 rebuild above 32 rows (test_p12_mid_batch.py)
         ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
-        ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_moe_lora_align.py)
+        ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_custom_ops.py)
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -319,38 +167,6 @@ def test_fixed_release_is_left_alone(overlay):
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
 
-@needs_fixed
-def test_fixed_release_still_rejects_exl3_moe_for_lora():
-    """Evidence for docs/upstream/exl3-moe-lora-device.md: #1712 checks ``trellis`` only, while
-    Exl3MoEMethod registers ``w13_trellis``/``w2_trellis``. When this starts failing, upstream
-    fixed it: update the write-up."""
-    from aphrodite.lora.layers.utils import _get_lora_device
-
-    moe = torch.nn.Module()
-    moe.w2_trellis = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    moe.w2_trellis.exl3_tensors = {(0, "w2"): torch.zeros(2)}
-    with pytest.raises(ValueError, match="^Unsupported base layer"):
-        _get_lora_device(moe)
-
-
-@needs_aphrodite
-@pytest.mark.parametrize("routed_experts", [False, True], ids=["flat (0.20/0.21)", "routed_experts (0.22+)"])
-def test_p2_gives_exl3_moe_layers_their_device_on_every_release(overlay, routed_experts):
-    """The MoE branch the upstream fix lacks: with P2, an EXL3 MoE layer in either form gets the device
-    its expert tensors live on, at every site that bound the function, on every release."""
-    from aphrodite.lora.layers import base_linear, fused_moe, utils
-
-    from hybrid_exl3_fixes.aphrodite.lora.layers.utils import PATCH
-    from hybrid_exl3_fixes.shared import fake_exl3_moe_layer
-
-    layer = fake_exl3_moe_layer("meta", routed_experts=routed_experts)
-    with pytest.raises(ValueError, match="^Unsupported base layer"):  # unpatched: every release rejects it
-        utils._get_lora_device(layer)
-    assert overlay.REGISTRY.apply(PATCH).status.value == "APPLIED"
-    for site in (utils, base_linear, fused_moe):
-        assert site._get_lora_device(layer) == torch.device("meta")
-
-
 def test_undo_is_last_in_first_out(overlay):
     """One undo stack across patches: a patch under later ones is not undone (UndoOrder, nothing changed), and
     undo_all restores them newest first."""
@@ -379,3 +195,57 @@ def test_the_patches_that_check_a_tag_after_apply_say_so():
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason
+
+
+def test_the_apply_order_is_patch_id_order_but_where_after_says_otherwise():
+    import hybrid_exl3_fixes as overlay
+    from hybrid_exl3_fixes.cli import patch_number
+
+    ids = [p.id for p in overlay.PATCHES]
+    for patch in overlay.PATCHES:
+        assert all(ids.index(a) < ids.index(patch.id) for a in patch.after), (patch.id, patch.after)
+    # the patches that share a target with an earlier one name it, and no other reorders the list
+    assert {p.id: p.after for p in overlay.PATCHES if p.after} == {
+        "P7": ("P9",),
+        "P8": ("P3",),
+        "P12": ("P3", "P8"),
+        "P13": ("P10",),
+    }
+    moved = [i for i in ids if overlay.PATCHES[ids.index(i)].after]
+    rest = [i for i in ids if i not in moved]
+    assert rest == sorted(rest, key=patch_number)
+
+
+def test_in_apply_order_refuses_an_unknown_or_circular_after():
+    from helpers import stand_in_patch
+    from hybrid_exl3_fixes.registry import in_apply_order
+
+    a, _ = stand_in_patch(globals(), "OrderA", id="PA", after=("PB",))
+    b, _ = stand_in_patch(globals(), "OrderB", id="PB")
+    assert [p.id for p in in_apply_order([a, b])] == ["PB", "PA"]
+    with pytest.raises(ValueError, match="names no known patch: PB"):
+        in_apply_order([a])
+    c, _ = stand_in_patch(globals(), "OrderC", id="PB", after=("PA",))
+    with pytest.raises(ValueError, match="cycle"):
+        in_apply_order([a, c])
+
+
+def test_a_probe_reads_its_tag_through_the_public_tags_of():
+    """tags_of reads the patch ids on a replacement and on every function it wraps, whatever its kind."""
+    from hybrid_exl3_fixes.registry import tag, tags_of
+
+    def original():
+        pass
+
+    inner = tag("PI", lambda: None, original)
+    outer = tag("PO", lambda: None, inner)
+    assert tags_of(outer) == {"PO", "PI"} and tags_of(staticmethod(outer)) == {"PO", "PI"}
+    assert tags_of(property(inner)) == {"PI"} and tags_of(original) == set()
+
+
+def test_every_patch_that_changes_load_time_state_gives_it_back_on_undo():
+    """P3, P8, P12 and P13 change layers and methods after load (routes, instance methods, kept weights, a LoRA
+    kernel): each has an on_undo. P10 only launches a kernel once at load: nothing of Python's to give back."""
+    import hybrid_exl3_fixes as overlay
+
+    assert {p.id for p in overlay.PATCHES if p.on_undo is not None} == {"P3", "P8", "P12", "P13"}

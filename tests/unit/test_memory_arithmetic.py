@@ -34,7 +34,7 @@ def test_whole_plan_within_5_percent_of_the_logged_pool_and_capacity(row):
 
 def test_the_previous_plan_was_far_off_on_a_24g_card():
     """What doctor said before this plan (total x utilization - weights) for the 9B on a 24 GB card: 30 %
-    above the pool the engine logged; the reason for issue 19."""
+    above the pool the engine logged."""
     row = next(r for r in ROWS if r["name"].startswith("9b-24g ("))
     weights = sum(t["bytes"] for n, t in row["tensors"].items() if ".visual." not in n)
     previous = (24 * 0.9 * report.GIB - weights) / report.GIB
@@ -298,7 +298,7 @@ def test_the_vision_term_restates_the_profiling_runs_encoder_budget():
 
 
 def test_the_vision_term_is_the_encoders_excess_over_the_text_pass():
-    """The held-out deployment's engine (issue 34: a 27B-shaped bfloat16 model, TP 4, three images a prompt,
+    """The held-out deployment's engine (a 27B-shaped bfloat16 model, TP 4, three images a prompt,
     --max-num-batched-tokens 8192): the encoder's own peak over 65,536 patches is larger than the text pass's, so
     the term is the difference, where the earlier plan had only the encoder cache (84 MB)."""
     from hybrid_exl3_fixes.doctor.memory import arithmetic, vision
