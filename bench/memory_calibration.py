@@ -72,7 +72,7 @@ def configs(total_gib: float) -> dict[str, tuple[str, str | None, list[str]]]:
         "9b-24g-fp8kv": ("9b/exl3", None, [*emulate(24), *TEXT, "--kv-cache-dtype", "fp8"]),
         "9b-24g-mnbt8192": ("9b/exl3", None, [*emulate(24), *TEXT, "--max-num-batched-tokens", "8192"]),
         "9b-24g-eager": ("9b/exl3", None, [*emulate(24), *TEXT, "--enforce-eager"]),
-        # vision on, three images a prompt as a held-out deployment of the 27B serves (the profile encodes one image of the
+        # vision on, three images a prompt as a deployment of the 27B serves them (the profile encodes one image of the
         # processor's largest size either way); the 9B is written with the published vision tower (ci/gpu-run.sh cal)
         "9b-24g-vision": ("9b/exl3", None, [*emulate(24), "--limit-mm-per-prompt", '{"image": 3}']),
         # the held-out deployment's batch size with vision on (the encoder budget follows it: encoder_budget.py)
