@@ -699,6 +699,12 @@ def test_prefix_caching_multi_turn_matches_hf_and_the_uncached_server(fleet, tin
 
 
 def test_results_file_names_every_cell(fleet, record):
-    """The record lists every selected cell (the summary table is built from it)."""
+    """The record lists every selected cell (the summary table is built from it): every cell of CELLS this GPU can
+    hold, narrowed by HXF_SERVER_CELLS, and nothing else."""
+    from conftest import RESULTS
+
+    only = [c for c in os.environ.get("HXF_SERVER_CELLS", "").split(",") if c]
+    selected = [c for c in CELLS if cell_tp(c) <= gpus() and (not only or c in only)]
     record("server cells", cells=json.dumps(list(fleet)))
-    assert fleet
+    assert list(fleet) == selected and selected, (list(fleet), selected)
+    assert json.loads(RESULTS["server cells"]["cells"]) == selected

@@ -45,8 +45,20 @@ def test_the_readme_table_says_what_compat_says():
     assert column["not installed"] == "—"
 
 
-def test_every_served_release_names_a_gpu_run():
-    assert SERVED and all(re.search(r"\bruns? \d+", MOE_SERVING[v].evidence) for v in SERVED)
+def test_every_served_release_names_a_gpu_run_whose_record_is_here():
+    """A release is "compiled" only on the evidence of a GPU run: the entry names the run, and the run's record is in
+    docs/gpu-runs/ (a page per run, its folder named DATE-runN)."""
+    assert SERVED
+    records = {int(p.name.rsplit("-run", 1)[1]) for p in (ROOT / "docs" / "gpu-runs").glob("*-run*") if p.is_dir()}
+    for version in SERVED:
+        named = {
+            int(n)
+            for pair in re.findall(r"runs? (\d+)(?: and (\d+))?", MOE_SERVING[version].evidence)
+            for n in pair
+            if n
+        }
+        assert named, (version, MOE_SERVING[version].evidence)
+        assert named <= records, (version, named - records)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +98,7 @@ def test_doctor_is_silent_without_aphrodite_or_moe(moe_shape):
     assert moe_release(doctor.Shape(), "0.24.1") == []
 
 
-def test_doctor_reads_the_installed_release(moe_shape):
+def test_doctor_reads_the_installed_release():
     from hybrid_exl3_fixes import doctor
 
     assert doctor.installed_version() == (APHRODITE_VERSION if HAS_APHRODITE else None)

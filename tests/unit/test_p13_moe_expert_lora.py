@@ -22,13 +22,15 @@ EXL3 = "aphrodite.model_executor.layers.quantization.exl3"
 
 @pytest.mark.parametrize("value, on", [("1", True), ("on", True), ("TRUE", True), ("", False), ("0", False)])
 def test_the_opt_in(value, on):
-    assert moe_lora.enabled({moe_lora.ENABLE_ENV: value}) is on and not moe_lora.enabled({})
+    assert moe_lora.enabled({moe_lora.ENABLE_ENV: value}) is on
+    assert not moe_lora.enabled({})
 
 
 @needs_aphrodite
 def test_p13_is_an_opt_in(overlay):
     result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
-    assert result.status.value == "NOT_APPLICABLE" and moe_lora.ENABLE_ENV in result.reason, result.reason
+    assert result.status.value == "NOT_APPLICABLE", result.reason
+    assert moe_lora.ENABLE_ENV in result.reason, result.reason
 
 
 @needs_aphrodite
@@ -43,7 +45,8 @@ def test_p13_applies_where_the_lora_experts_mixin_is(overlay, monkeypatch):
         overlay.undo_all()
         assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
     else:
-        assert result.status.value == "NOT_APPLICABLE" and "LoRAExpertsMixin" in result.reason, result.reason
+        assert result.status.value == "NOT_APPLICABLE", result.reason
+        assert "LoRAExpertsMixin" in result.reason, result.reason
         assert vars(exl3.Exl3MoEMethod)["process_weights_after_loading"] is before
 
 
@@ -55,11 +58,13 @@ def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
     from aphrodite.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
 
     cls = moe_lora.experts_class()
-    assert not cls.__abstractmethods__ and issubclass(cls, moe_lora.lora_experts_mixin())
+    assert not cls.__abstractmethods__
+    assert issubclass(cls, moe_lora.lora_experts_mixin())
     experts = cls(object(), object(), fused_moe_config(), FUSED_MOE_UNQUANTIZED_CONFIG)
     kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
     # what FusedMoEWithLoRA.__init__ asks of the kernel it takes from the quant method
-    assert kernel.supports_lora() and type(kernel.impl).__name__ == "FusedMoEKernelModularImpl"
+    assert kernel.supports_lora()
+    assert type(kernel.impl).__name__ == "FusedMoEKernelModularImpl"
     assert kernel.fused_experts is experts  # 0.24's FusedMoEModularMethod reads its moe_config from there
     if hasattr(kernel, "supports_expert_map"):  # 0.21's FusedMoEModularMethod asks; EXL3 MoE has no expert map
         assert kernel.supports_expert_map() is False
@@ -67,7 +72,8 @@ def test_the_experts_are_a_lora_capable_modular_kernel_on_this_release():
     # (M, H); cache1 (M x topk, 2I), then the down delta, in workspace2
     assert experts.workspace_shapes(5, 512, 256, 2, 4, 4, None, MoEActivation.SILU) == ((10, 256), (10, 512), (5, 256))
     assert experts.activation_format() == mk.FusedMoEActivationFormat.Standard
-    assert cls._supports_activation(MoEActivation.SILU) and not cls._supports_no_act_and_mul()
+    assert cls._supports_activation(MoEActivation.SILU)
+    assert not cls._supports_no_act_and_mul()
 
 
 def test_shape_tensors_carry_the_shapes_without_the_memory():
@@ -78,7 +84,8 @@ def test_shape_tensors_carry_the_shapes_without_the_memory():
         exl3_gate_ptrs_trellis=torch.zeros(256, dtype=torch.long),
     )
     w1, w2 = moe_lora.shape_tensors(layer, torch.bfloat16)
-    assert w1.shape == (256, 1024, 2048) and w2.shape == (256, 2048, 512)
+    assert w1.shape == (256, 1024, 2048)
+    assert w2.shape == (256, 2048, 512)
     assert (
         w1.untyped_storage().nbytes() == 2
         and w1.dtype == torch.bfloat16
@@ -100,7 +107,8 @@ def test_a_batch_without_lora_is_told_by_the_punica_flag():
         meta = types.SimpleNamespace(no_lora_flag_cpu=torch.tensor([flag]))
         return types.SimpleNamespace(punica_wrapper=types.SimpleNamespace(token_mapping_meta=meta))
 
-    assert moe_lora.batch_has_lora(ctx(False)) and not moe_lora.batch_has_lora(ctx(True))
+    assert moe_lora.batch_has_lora(ctx(False))
+    assert not moe_lora.batch_has_lora(ctx(True))
     # a wrapper without the flag: the decomposed path, which is right for either
     assert moe_lora.batch_has_lora(types.SimpleNamespace(punica_wrapper=object()))
 
@@ -124,7 +132,8 @@ def test_p5_leaves_a_layer_with_a_lora_capable_kernel_to_the_wrapper(overlay):
     assert p5.has_lora_kernel(layer)
     assert wrapper.can_replace_layer(layer, None, ["w13"]) is True  # the wrapper's own answer for a MoE layer
     holder.__dict__["quant_method"] = types.SimpleNamespace(moe_kernel=None)
-    assert not p5.has_lora_kernel(layer) and wrapper.can_replace_layer(layer, None, ["w13"]) is False
+    assert not p5.has_lora_kernel(layer)
+    assert wrapper.can_replace_layer(layer, None, ["w13"]) is False
 
 
 @needs_aphrodite
@@ -168,7 +177,8 @@ def test_the_lora_manager_wraps_an_alias_below_a_wrapped_moe_layer(overlay, monk
     root, runner = wrapped_moe_block()
     new = torch.nn.Linear(2, 2)
     if "__getattr__" in vars(BaseLayerWithLoRA):  # 0.24: the wrapper forwards a public miss to its base_layer
-        assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new and runner.gate is new
+        assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new
+        assert runner.gate is new
         root, runner = wrapped_moe_block()
     else:  # the release's own replace_submodule stops at the wrapper
         with pytest.raises(AttributeError, match="runner"):
@@ -176,8 +186,32 @@ def test_the_lora_manager_wraps_an_alias_below_a_wrapped_moe_layer(overlay, monk
     monkeypatch.setenv(moe_lora.ENABLE_ENV, "1")
     result = {r.patch.id: r for r in overlay.apply_all()}["P13"]
     assert result.status.value == "APPLIED", result.reason
-    assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new and runner.gate is new
+    assert model_manager.replace_submodule(root, "mlp.experts.runner.gate", new) is new
+    assert runner.gate is new
     other = torch.nn.Linear(2, 2)  # a path the model resolves: the original's answer
-    assert model_manager.replace_submodule(root, "mlp.experts", other) is other and root.mlp.experts is other
+    assert model_manager.replace_submodule(root, "mlp.experts", other) is other
+    assert root.mlp.experts is other
     with pytest.raises(AttributeError):  # a path that exists nowhere still stops
         model_manager.replace_submodule(root, "mlp.nothing.gate", new)
+
+
+def test_undo_takes_back_every_kernel_p13_gave(monkeypatch):
+    """P13's on_undo: each method it gave a kernel has none again and each layer its own shape tensors back (fake
+    inputs: a method and layers that only hold attributes; the kernel itself is a stand-in)."""
+    import types
+
+    monkeypatch.setattr(moe_lora, "_GIVEN", [])
+    monkeypatch.setattr(moe_lora, "make_kernel", lambda method, layer: setattr(layer, "w13_weight", "view") or "kernel")
+    method = types.SimpleNamespace(moe=types.SimpleNamespace(is_lora_enabled=True), moe_kernel=None)
+    layer = types.SimpleNamespace()
+    moe_lora.give_lora_kernel(method, layer)
+    assert method.moe_kernel == "kernel"
+    assert layer.w13_weight == "view"
+    off = types.SimpleNamespace(moe=types.SimpleNamespace(is_lora_enabled=False), moe_kernel=None)
+    moe_lora.give_lora_kernel(off, types.SimpleNamespace())  # LoRA off: nothing given, nothing to take back
+    assert len(moe_lora._GIVEN) == 1
+    moe_lora.reset_state()
+    assert method.moe_kernel is None
+    assert not hasattr(layer, "w13_weight")
+    assert moe_lora._GIVEN == []
+    assert moe_lora.PATCH.on_undo is moe_lora.reset_state
