@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HIDDEN, INTER, HEAD_VOCAB = 5120, 17408, 248320
 ROWS = (1, 16, 32, 48, 64, 96, 128, 144, 192, 256)
-# (name, prefix, {shard: (k, n)}, bits, layers using it per step): the 27B's projections (overlay/exl3/stream.py)
+# (name, prefix, {shard: (k, n)}, bits, layers using it per step): the 27B's projections (overlay/checkpoint/stream.py)
 PROJECTIONS = [
     ("gdn in_proj_qkv", "model.layers.0.linear_attn.in_proj_qkv", {None: (HIDDEN, 10240)}, 3, 48),
     ("gdn in_proj_z", "model.layers.0.linear_attn.in_proj_z", {None: (HIDDEN, 6144)}, 3, 48),

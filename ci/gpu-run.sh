@@ -8,7 +8,7 @@
 #   moe:CELLS              tests/gpu/test_moe_server.py, the same for the MoE cells
 #   upstream               tests/upstream with the overlay
 #   p12                    tests/gpu/test_p12_mid_batch.py (P12's routed layers against aphrodite's path, 0.24+)
-#   p13                    tests/gpu/test_p13_moe_lora.py (P13's decomposed EXL3 experts against dense weights and
+#   p13                    tests/gpu/test_p13_moe_expert_lora.py (P13's decomposed EXL3 experts against dense weights and
 #                          the fused kernel, eager and from a CUDA graph, 0.21+)
 #   fulldepth:PRESETS      ci/stages/fulldepth.sh, HXF_PRESETS=PRESETS (comma list, NAME or NAME:CODEBOOK) and its
 #                          HXF_FD_* settings (kinds, levels, parallel start): full-depth serving beside exllamav3
@@ -242,7 +242,7 @@ for stage in "$@"; do
     mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
     lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
-    p13) suite p13 tests/gpu/test_p13_moe_lora.py "" 400 ;;
+    p13) suite p13 tests/gpu/test_p13_moe_expert_lora.py "" 400 ;;
     *) echo "gpu-run: unknown stage $name" ;;
   esac; touch "$ROOT/$name.done"; } > "$ROOT/$name.log" 2>&1 &
   i=$((i + 1))

@@ -26,7 +26,7 @@ echo "== compare-state: $(nvidia-smi --query-gpu=name --format=csv,noheader | he
 export HXF_CMP_PHASES="$phases" HXF_CMP_DEADLINES="$deadlines" HXF_CMP_LEVELS="${HXF_CS_LEVELS:-1,8,16,32,64}"
 export HXF_CMP_PROMPT="${HXF_CS_PROMPT:-128}" HXF_CMP_OUTPUT="${HXF_CS_OUTPUT:-64}" HXF_CMP_REPEATS="${HXF_CS_REPEATS:-5}"
 # 64 requests of 128 + 64 + 64 tokens (same_run.py's --max-model-len): 7 blocks a request in 0.24.1's hybrid pool
-# with prefix caching (1 attention block + 3 state groups x 2; doctor's memplan.kv_layout): 21.4 GiB with the float32
+# with prefix caching (1 attention block + 3 state groups x 2; doctor/memory/arithmetic.py kv_layout): 21.4 GiB with the float32
 # state (49 MiB blocks), 10.9 GiB with bfloat16 (24.5 MiB); pinned with about 5 % to spare
 export HXF_CMP_KV_BYTES=$((45 << 29)) HXF_CMP_BF16_KV_BYTES=$((23 << 29)) HXF_CMP_EXT_WAIT=${HXF_CMP_EXT_WAIT:-900}
 bash ci/gpu-run.sh 0.24 compare:qwen3.6-27b-full

@@ -34,7 +34,9 @@ def test_issue_34s_rows_are_configurations_and_cover_what_it_asks_for():
 
 
 def test_start_up_figures_of_both_measurement_styles():
-    old = (ROOT / "docs/gpu-runs/2026-12-01-run11/cal/9b-24g.log").read_text(errors="replace")
+    import memory_plan_report as report
+
+    old = report.read_log(ROOT / "docs/gpu-runs/2026-12-01-run11/cal/9b-24g.log")
     assert cal.figures(old)["init_free_gib"] == 132.74 and cal.figures(old)["non_torch_gib"] == 0.27
     new = (
         "worker init memory snapshot: torch_peak=0.00GiB, torch_allocated=0.00GiB, free_memory=138.12GiB, "

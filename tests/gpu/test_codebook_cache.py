@@ -2,7 +2,7 @@
 overlay's load-time plan keeps every layer right (after), and a mixed-codebook model end to end.
 
 Each scenario runs in a fresh process (gemm_case.py): the kernel cache lives for the process.
-The prediction below is the model the disassembly gives (overlay/exl3/dispatch.py): exl3_gemm
+The prediction below is the model the disassembly gives (overlay/decisions/exl3_kernels.py): exl3_gemm
 caches the kernel per (in, out, K, float32 output), not per codebook or row count; exl3_mgemm
 and the forced launch have no cache. Every call is compared with that model and with the
 reference codec; the tables go to docs/gpu-results.md."""

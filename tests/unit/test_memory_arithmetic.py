@@ -1,4 +1,4 @@
-"""doctor's memory plan (overlay/memplan.py) against aphrodite's own start-up logs of runs 10 and 11
+"""doctor's memory plan (overlay/doctor/memory/arithmetic.py) against aphrodite's own start-up logs of runs 10 and 11
 (committed under docs/gpu-runs/; bench/memory_plan_report.py builds the same table)."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_the_plan_counts_the_mamba_blocks_the_engine_refused_with():
     eng = arithmetic.Engine(139.8, max_model_len=832, language_model_only=True)
     layout = arithmetic.kv_layout(report.shape_of(inputs["config.json"]), eng)
     logged = ROOT / "docs/gpu-runs/2026-12-01-run14/fulldepth/try1-contended/qwen3.6-27b-full-aphrodite-base.stdout"
-    assert "exceeds available Mamba cache blocks (655)" in logged.read_text()
+    assert "exceeds available Mamba cache blocks (655)" in report.read_log(logged)
     assert arithmetic.kv_capacity(layout, 16 << 30, 832)["blocks"] == 655 < eng.max_num_seqs
 
 
@@ -199,7 +199,7 @@ def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r["kind"] == "pool"], ids=lambda r: r["name"])
 def test_every_logged_pool_lies_in_the_plans_range(row):
-    """Issue 34: the plan's uncertainty (the sum of its terms' bounds, overlay/membounds.py) covers the engine's
+    """Issue 34: the plan's uncertainty (the sum of its terms' bounds, overlay/doctor/memory/bounds.py) covers the engine's
     own figure on every profiled row, and contains the plan's point estimate."""
     from hybrid_exl3_fixes.doctor.memory import arithmetic
 
@@ -257,7 +257,7 @@ def test_full_size_exl3_moe_loading_figure_counts_each_layers_scratch(variant, r
     from hybrid_exl3_fixes.doctor.memory import arithmetic
 
     inputs = read_inputs(RUN20 / "inputs-qwen3.6-35b-a3b-full-3bit-exl3.json.xz")
-    text = (run / f"qwen3.6-35b-a3b-full-3bit-{variant}.log").read_text(errors="replace")
+    text = report.read_log(run / f"qwen3.6-35b-a3b-full-3bit-{variant}.log")
     logged = float(re.search(r"Model loading took ([\d.]+) GiB", text).group(1))
     shape = parse_config(inputs["config.json"])[0]
     lora = variant.endswith("-lora")
@@ -277,7 +277,7 @@ def published_vision_shape():
 
 
 def test_the_vision_term_restates_the_profiling_runs_encoder_budget():
-    """memvision: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's largest size
+    """doctor/memory/vision.py: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's largest size
     (16,384 tokens, 65,536 patches for the published processor) unless the batched-token budget holds more."""
     from hybrid_exl3_fixes.doctor.memory import arithmetic, vision
 
