@@ -9,7 +9,8 @@ exllamav3 write them):
   single projections (``exl3_gemm`` at <= 32 rows; GDN in_proj_qkv, in_proj_z, out_proj, o_proj, down_proj, the
   6-bit head; q of the attention's q/k/v, which runs inside aphrodite's ``exl3_qkv`` op and P8 leaves alone):
   ``native`` aphrodite's table launch, ``heuristic`` exllamav3's shape heuristic (P3's uncached launch), ``p8`` the
-  launch P8 picks from these same times (overlay/decisions/p8_kernel_choice.py: 3 % margin), ``best`` the fastest launch timed;
+  launch P8 picks from these same times (overlay/decisions/p8_kernel_choice.py: 3 % margin), ``best`` the fastest
+  launch timed;
   fused pairs (``exl3_mgemm``: gate/up, k/v): ``native`` aphrodite's call (exllamav3's heuristic, no table) against
   every forced shape and SM count. Times: P8's own measurement (``p8_kernel_choice.measure_launches``: CUDA
   events, ROUNDS rounds of CALLS calls, launches interleaved, median), with more rounds. A forced launch whose

@@ -199,7 +199,7 @@ def test_a_bad_release_is_refused_by_the_command_line(tmp_path, bad, capsys):
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r["kind"] == "pool"], ids=lambda r: r["name"])
 def test_every_logged_pool_lies_in_the_plans_range(row):
-    """Issue 34: the plan's uncertainty (the sum of its terms' bounds, overlay/doctor/memory/bounds.py) covers the engine's
+    """The plan's uncertainty (the sum of its terms' bounds, overlay/doctor/memory/bounds.py) covers the engine's
     own figure on every profiled row, and contains the plan's point estimate."""
     from hybrid_exl3_fixes.doctor.memory import arithmetic
 
@@ -277,8 +277,9 @@ def published_vision_shape():
 
 
 def test_the_vision_term_restates_the_profiling_runs_encoder_budget():
-    """doctor/memory/vision.py: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's largest size
-    (16,384 tokens, 65,536 patches for the published processor) unless the batched-token budget holds more."""
+    """doctor/memory/vision.py: as encoder_budget.py sizes it, the profiling run encodes one image of the processor's
+    largest size (16,384 tokens, 65,536 patches for the published processor) unless the batched-token budget holds more.
+    """
     from hybrid_exl3_fixes.doctor.memory import arithmetic, vision
 
     shape = published_vision_shape()

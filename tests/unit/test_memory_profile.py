@@ -1,5 +1,5 @@
-"""overlay/doctor/memory/profile.py: the profiling run's and the model runner's terms per release, as read from aphrodite's
-sources (0.20.0-0.24.1 in .cache/aphrodite) and measured in run 29 (bench/results/memory_plan.md)."""
+"""overlay/doctor/memory/profile.py: the profiling run's and the model runner's terms per release, as read from
+aphrodite's sources (0.20.0-0.24.1 in .cache/aphrodite) and measured in run 29 (bench/results/memory_plan.md)."""
 
 from __future__ import annotations
 

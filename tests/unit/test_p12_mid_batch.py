@@ -1,7 +1,7 @@
-"""P12 without a GPU: the decision from measured times (overlay/decisions/p12_mid_batch.py), the opt-in's parsing, the registry
-entry on every release, the kernels of the real EXL3 custom ops replaced and given back, and the router's paths (fake
-inputs: CPU tensors and a recording stand-in for the replaced kernel). The measurement and the layers' answers run on
-the H200 (tests/gpu/test_p12_mid_batch.py, bench/exl3_mid_batch.py)."""
+"""P12 without a GPU: the decision from measured times (overlay/decisions/p12_mid_batch.py), the opt-in's parsing, the
+registry entry on every release, the kernels of the real EXL3 custom ops replaced and given back, and the router's paths
+(fake inputs: CPU tensors and a recording stand-in for the replaced kernel). The measurement and the layers' answers run
+on the H200 (tests/gpu/test_p12_mid_batch.py, bench/exl3_mid_batch.py)."""
 
 from __future__ import annotations
 

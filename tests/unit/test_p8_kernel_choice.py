@@ -1,6 +1,6 @@
-"""P8 without a GPU: the decision from measured times (overlay/decisions/p8_kernel_choice.py), the registry entry against the real
-wheels' kernel libraries, and the load-time plan on real Exl3LinearMethod layers (fake inputs: CPU tensors and the
-times a measurement would return). The kernels and the real measurement run on the H200
+"""P8 without a GPU: the decision from measured times (overlay/decisions/p8_kernel_choice.py), the registry entry
+against the real wheels' kernel libraries, and the load-time plan on real Exl3LinearMethod layers (fake inputs: CPU
+tensors and the times a measurement would return). The kernels and the real measurement run on the H200
 (bench/exl3_kernel_choice.py, tests/gpu)."""
 
 from __future__ import annotations
