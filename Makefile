@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install test test-gpu stubs status clean
+.PHONY: install test test-gpu stubs status readme clean
 
 install:
 	bash ci/setup.sh
@@ -21,15 +21,16 @@ test-gpu:
 stubs:
 	$(VENV)/bin/hybrid-exl3-fixes stubs --out build/stubs
 
-# Status against aphrodite 0.21.0 unpacked by make install, as a pip install has it: a tree of links
-# to its sources plus its kernel library, which P3's probe reads (use your own environment's
-# `hybrid-exl3-fixes status` where aphrodite is installed for real).
-STATUS_SITE := .cache/aphrodite-status/0.21.0
+# The patch table against one release unpacked by make install (RELEASE, default 0.21.0), as a pip install has it:
+# a tree of links to its sources plus its kernel libraries, which P3's and P8's probes read (ci/status_site.py).
+# In your own environment, where aphrodite is installed, `hybrid-exl3-fixes status` is the same table.
+RELEASE ?= 0.21.0
 status:
-	@[ -e $(STATUS_SITE)/aphrodite/_C.abi3.so ] || { rm -rf $(STATUS_SITE) && mkdir -p $(STATUS_SITE) && \
-	  cp -rs $(abspath .cache/aphrodite/0.21.0)/. $(STATUS_SITE)/ && \
-	  ln -s $(abspath .cache/aphrodite-kernels/0.21.0/aphrodite/_C.abi3.so) $(STATUS_SITE)/aphrodite/; }
-	PYTHONPATH=$(STATUS_SITE) $(VENV)/bin/hybrid-exl3-fixes status
+	@site=$$($(PY) ci/status_site.py $(RELEASE)) && PYTHONPATH=$$site $(VENV)/bin/hybrid-exl3-fixes status
+
+# The README's generated tables (patches, releases, log lines) from the code that decides them
+readme:
+	$(PY) ci/readme_tables.py --write
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

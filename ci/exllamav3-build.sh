@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # exllamav3 1.6.5's CUDA extension for SM90, built on the GPU machine against the image's own torch
-# (ci/exllamav3-build.py: torch's cpp_extension JIT, about 5 min on 16 cores: docs/gpu-results.md), gzipped to
+# (ci/exllamav3-build.py: torch's cpp_extension JIT, 289-472 s on 16 cores: docs/gpu-runs/2026-11-30-run3/README.md), gzipped to
 # /tmp/exllamav3_ext.so.gz, where ci/exllamav3-env.sh finds it. It needs no staged aphrodite, so it can start,
 # detached, in the first device call and build while the staging calls follow:
 #   bash ci/device-bg.sh start x3 bash ci/exllamav3-build.sh      # carry [".cache/wheels/exllamav3-1.6.5-py3-none-any.whl"]

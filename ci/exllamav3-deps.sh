@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The packages exllamav3 1.6.5 imports (its METADATA) that the GPU image may lack: marisa-trie, llguidance, pydantic
-# and rich, with what they need (docs/gpu-runs/2026-12-05-run27/COMMANDS.md lists what the image has). The compare
+# and rich, with what they need (docs/gpu-runs/2026-12-05-run27/README.md lists what the image has). The compare
 # stage still puts a staged aphrodite 0.21.0 site (/tmp/devsite) first on exllamav3's PYTHONPATH where there is one;
 # with these carried, exllamav3 needs none. Downloaded for the GPU image's Python (cp312, manylinux x86_64) into
 # .cache/exllamav3-deps/, which ci/exllamav3-env.sh installs; carry that folder with the call that starts exllamav3.

@@ -2,8 +2,7 @@
 # Install this project into a staged aphrodite site: bash ci/site-install.sh TARGET (from the project root).
 # `pip install --target` replaces every top-level folder of TARGET that the project also ships, bin/ among them,
 # and with it the staged release's `aphrodite` console script (ci/stage-0.21.sh writes /tmp/devsite/bin/aphrodite),
-# after which tests/gpu/server.py falls back to `python3 -m aphrodite.entrypoints.cli.main` (docs/gpu-results.md,
-# sixteenth session). The script is kept aside and put back.
+# after which tests/gpu/server.py falls back to `python3 -m aphrodite.entrypoints.cli.main` (docs/gpu-runs/2026-12-03-run19/README.md). The script is kept aside and put back.
 set -uo pipefail
 target=${1:?usage: ci/site-install.sh TARGET}
 saved=""

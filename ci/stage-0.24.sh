@@ -51,7 +51,7 @@ DEPS=(annotated-types astor blake3 cachetools cbor2 'compressed-tensors==0.17.0'
       uvicorn httptools websockets python-multipart email-validator dnspython pydantic-extra-types)
 # nvidia-cutlass-dsl[cu13]==4.6.2 (aphrodite 0.24.1's METADATA pin): FlashInfer's GDN prefill kernel, the engine's
 # default --gdn-prefill-backend on SM90, imports `cutlass` at its first prefill; without it the engine stops in its
-# warm-up with `ModuleNotFoundError: No module named 'cutlass'` (docs/gpu-results.md, sixteenth session). Its CUDA Python bindings
+# warm-up with `ModuleNotFoundError: No module named 'cutlass'` (docs/gpu-runs/2026-12-03-run19/README.md). Its CUDA Python bindings
 # (cuda-python 13.4.4's) are installed only where the image has none (the H200 image has cuda-bindings 13.3.1,
 # cuda-core 1.2.0 and cuda-pathfinder 1.8.1 and no cutlass: checked 2026-12-03).
 CUTLASS=(nvidia-cutlass-dsl==4.6.2 nvidia-cutlass-dsl-libs-base==4.6.2 nvidia-cutlass-dsl-libs-core==4.6.2
@@ -84,7 +84,7 @@ cat > "$OUTD/install/install.sh" <<SH
 # The PYTHONPATH every later call needs is written to /tmp/devsite24/pythonpath (ci/gpu-run.sh reads it): torch,
 # site, and site/nvidia_cutlass_dsl/dsl_packages, the folder that nvidia-cutlass-dsl's .pth file puts on sys.path in
 # a real site-packages. Python reads .pth files only in site folders, not in PYTHONPATH folders, so without it
-# `import cutlass` fails in a --target install (docs/gpu-results.md, seventeenth session).
+# `import cutlass` fails in a --target install (docs/gpu-runs/2026-12-03-run20/README.md).
 set -euo pipefail
 have=\$(ls /tmp/devstage24/part* 2>/dev/null | wc -l)
 [ "\$have" -eq $n ] || { echo "devstage24: \$have of $n parts here: the machine went cold; start again from part 1"; exit 3; }

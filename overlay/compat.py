@@ -1,7 +1,7 @@
 """Where an EXL3 MoE hybrid serves, per aphrodite-engine release, with this overlay installed: the one table that
-the README's compatibility table ("EXL3 MoE" column) and doctor's ``moe-release`` check read
-(tests/unit/test_compat.py holds the README to it). Each entry names the GPU runs that showed it
-(docs/gpu-results.md); a release no GPU run has served is "not run", never assumed.
+docs/evidence.md's "Where EXL3 MoE serves" (written from it by ci/readme_tables.py) and doctor's ``moe-release`` check
+read. Each entry names the GPU runs that showed it (docs/gpu-runs/, one record per run); a release no GPU run has
+served is "not run", never assumed.
 
 Kinds: ``compiled`` (the default compiled mode serves, so eager does too), ``eager`` (only with
 ``--enforce-eager``), ``none`` (does not start), ``not run`` (no GPU run with this release)."""

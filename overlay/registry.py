@@ -160,6 +160,11 @@ class Patch:
     # the patches that must be applied before this one, each for a reason its docstring states (a later patch wraps
     # what an earlier one installed on the same target, or reads what it set at load time)
     after: tuple[str, ...] = ()
+    # what a user sees without the patch, in a line (the README's patch table is made from it)
+    symptom: str = ""
+    # the environment variable that turns an opt-in patch on; None for a patch that applies wherever its probe
+    # finds the bug
+    opt_in: str | None = None
 
 
 # the statuses under which the engine runs without a fix and the user should hear of it

@@ -121,4 +121,6 @@ PATCH = Patch(
     probe=probe_align_grid,
     build=lambda live: {ALIGN.key: build_align(live[ALIGN.key].function)},
     checks_tag_after_apply=True,
+    symptom="MoE LoRA beside base-model requests: the last adapter slot's expert deltas dropped or read at wrong "
+    "expert ids",
 )

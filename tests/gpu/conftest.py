@@ -2,7 +2,7 @@
 
 Skips with a reason on a machine without CUDA or without loadable aphrodite kernels. Results
 (measured differences, outcomes) are collected into $HXF_GPU_RESULTS (JSON) for ci/gpu.sh's
-summary (docs/gpu-results.md)."""
+summary (the run's record under docs/gpu-runs/)."""
 
 from __future__ import annotations
 

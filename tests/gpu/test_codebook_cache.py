@@ -5,7 +5,7 @@ Each scenario runs in a fresh process (gemm_case.py): the kernel cache lives for
 The prediction below is the model the disassembly gives (overlay/decisions/exl3_kernels.py): exl3_gemm
 caches the kernel per (in, out, K, float32 output), not per codebook or row count; exl3_mgemm
 and the forced launch have no cache. Every call is compared with that model and with the
-reference codec; the tables go to docs/gpu-results.md."""
+reference codec; the tables go to the run's record (docs/gpu-runs/)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ P13_ON = "HYBRID_EXL3_FIXES_MOE_EXPERT_LORA"  # P13 module ENABLE_ENV
 EXPERTS_3D = ("lora-a", "lora-experts-3d")
 # The 35B-A3B-width checkpoint's pinned 2 GiB pool holds 992 Mamba state blocks; 0.24.1's default --max-num-seqs on a
 # big GPU is 1024, and it refuses to start with more sequences than blocks ("max_num_seqs (1024) exceeds available
-# Mamba cache blocks (992)"; docs/gpu-results.md, run 30): the P13 cell pins 256, the default below 70 GiB cards
+# Mamba cache blocks (992)"; docs/gpu-runs/2026-12-06-run30): the P13 cell pins 256, the default below 70 GiB cards
 MOE35_SEQS = ("--max-num-seqs", "256")
 EXPERTS_OFF = "expert adapter without its expert deltas"
 # A random MoE at the 35B-A3B width is sensitive to the activation dtype itself: HF in bfloat16 is 0.87 from HF in

@@ -43,7 +43,7 @@ from hybrid_exl3_fixes.checkpoint.tinyspec import GDN_GATE_TARGETS
 from server import Server
 
 # max |d logprob| against HF + PEFT, every cell (at most 0.044 in any cell of runs 10 and 17, fp8 KV included:
-# docs/gpu-results.md)
+# docs/gpu-runs/2026-12-01-run10 and 2026-12-02-run17)
 TOLERANCE = 0.15
 # how far the served lora-ab is from a reference without its in_proj_a / in_proj_b deltas
 GATES_OFF = "lora-ab vs reference without in_proj_a/b"

@@ -124,3 +124,18 @@ def test_nothing_points_to_a_file_outside_the_repository():
              enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)
              and p != Path(__file__)]  # fmt: skip
     assert not found, found
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """README.md, docs/ (the run records included), bench/README.md and bench/results/: every relative markdown link
+    names a file or folder of the repository."""
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")]
+    pages += list((ROOT / "bench" / "results").glob("*.md"))
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(errors="replace")):
+            if re.match(r"^(https?:|mailto:|#)", target):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken

@@ -135,4 +135,6 @@ PATCH = Patch(
     probe=probe_lm_head_weight,
     build=build,
     scan_stale_copies_of=(UTILS.key,),
+    symptom="an EXL3 checkpoint with a quantized head and `--enable-lora` stops at start-up: `'ParallelLMHead' "
+    "object has no attribute 'weight'`",
 )

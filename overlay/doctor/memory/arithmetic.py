@@ -2,7 +2,7 @@
 
 Each term carries its bytes, its formula, and its basis: ``code`` (aphrodite-engine 0.21.0's own
 arithmetic, restated; exact up to rounding), ``measured`` (a constant taken from an H200 start-up log,
-docs/gpu-results.md "memory plan"; it may differ on another GPU model, which the term says) or
+bench/results/memory_plan.md; it may differ on another GPU model, which the term says) or
 ``bound`` (not derived; a range). Sources, all in aphrodite-engine 0.21.0:
 
 - requested memory = ceil(total x --gpu-memory-utilization) (v1/worker/utils.py request_memory); the

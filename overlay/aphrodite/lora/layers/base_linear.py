@@ -52,4 +52,5 @@ PATCH = Patch(
     targets=(WEIGHT,),
     probe=probe_lora_weight_for_exl3,
     build=build,
+    symptom="LoRA's `weight` property fails on EXL3 layers (latent)",
 )

@@ -9,7 +9,7 @@ Why:     With ``--enable-lora`` the LoRA model manager wraps every FusedMoE (0.2
          not be called.`` from ``select_gemm_impl`` (lora/layers/fused_moe.py:55 in 0.21.0), in
          0.22-0.24.1 ``RuntimeError: Old-style modular kernel not supported.`` (0.24.1: line 70),
          each behind ``_get_lora_device``'s own rejection of EXL3 MoE layers (P2). Read from the
-         six wheels; the first error is what an H200 run shows (docs/gpu-results.md).
+         six wheels; the first error is what an H200 run shows (docs/gpu-runs/2026-12-01-run11/README.md).
 How:     ``FusedMoEWithLoRA.can_replace_layer`` and ``FusedMoE3DWithLoRA.can_replace_layer``
          decline a MoE layer that carries EXL3 expert tensors. The manager then keeps the EXL3
          layer as it is and logs that it "could not be wrapped by any LoRA layer implementation
@@ -223,4 +223,6 @@ PATCH = Patch(
     targets=(WRAPPER_2D, WRAPPER_3D, LOAD),
     probe=probe_exl3_moe_lora,
     build=build,
+    symptom="EXL3 MoE with `--enable-lora` stops at start-up (`uses the new modular kernel initialization "
+    "logic`); expert adapters are refused by name",
 )

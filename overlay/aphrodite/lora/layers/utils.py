@@ -78,4 +78,6 @@ PATCH = Patch(
     probe=probe_lora_device_for_exl3,
     build=build,
     scan_stale_copies_of=(UTILS.key,),
+    symptom="then `Unsupported base layer: MergedColumnParallelLinear` (dense) or `... RoutedExperts` (MoE): "
+    "LoRA finds no device for EXL3 layers",
 )

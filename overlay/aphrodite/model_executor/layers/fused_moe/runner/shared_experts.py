@@ -109,4 +109,5 @@ PATCH = Patch(
     targets=(ORDER,),
     probe=probe_shared_expert_stream,
     build=build,
+    symptom="an EXL3 MoE server stops answering (its shared expert on a second stream)",
 )

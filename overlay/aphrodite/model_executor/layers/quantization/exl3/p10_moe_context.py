@@ -143,4 +143,5 @@ PATCH = Patch(
     probe=probe_moe_context_before_capture,
     build=build_moe_context_warmup,
     checks_tag_after_apply=True,
+    symptom="EXL3 MoE stops in CUDA-graph capture at `exl3_moe.cu 295`",
 )

@@ -432,4 +432,6 @@ PATCH = Patch(
     on_undo=reset_state,
     checks_tag_after_apply=True,
     after=("P10",),  # P10 first: the LoRA kernel is given once the layer's own load, P10's included, has finished
+    symptom="adapters on the routed experts of EXL3 MoE layers: experimental, still wrong in mixed batches",
+    opt_in="HYBRID_EXL3_FIXES_MOE_EXPERT_LORA",
 )

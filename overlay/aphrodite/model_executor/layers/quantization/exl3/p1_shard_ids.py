@@ -70,4 +70,5 @@ PATCH = Patch(
     targets=(SHARD_IDS,),
     probe=probe_in_proj_qkv_shard_ids,
     build=build,
+    symptom="EXL3 Qwen3.5/3.6 with `--enable-lora` stops at load: `Missing EXL3 tensors for ...in_proj_qkv`",
 )

@@ -244,4 +244,5 @@ PATCH = Patch(
     build=build_load_time_plan,
     on_undo=reset_state,
     checks_tag_after_apply=True,
+    symptom="layers of one shape but different EXL3 codebooks answer wrongly at up to 32 rows",
 )

@@ -153,4 +153,5 @@ PATCH = Patch(
     targets=(APPLY,),
     probe=probe_fp16_fused_cat,
     build=build_fp16_fused_cat,
+    symptom="compiled mode with float16 activations: `illegal memory access` in the first profiling run",
 )

@@ -179,4 +179,5 @@ PATCH = Patch(
     probe=probe_moe_graph_capacity,
     build=build_moe_graph_capacity,
     after=("P9",),  # P9 first: P7's chunks then reach P9's apply, each sanitised for its own size
+    symptom="EXL3 MoE in CUDA graphs answers busy batches wrongly (an expert with more than 128 tokens dropped)",
 )

@@ -253,4 +253,5 @@ PATCH = Patch(
     after=(
         "P3",
     ),  # P3 first: P8 chooses launches only for the shards P3 leaves on aphrodite's path, wrapping P3's loader
+    symptom="speed: up to 32 EXL3 rows take the sample tables' GEMM launch; each layer's is measured at load",
 )

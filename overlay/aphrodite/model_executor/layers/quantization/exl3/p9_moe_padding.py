@@ -111,4 +111,5 @@ PATCH = Patch(
     probe=probe_moe_padding_ids,
     build=build_moe_padding_ids,
     checks_tag_after_apply=True,
+    symptom="EXL3 MoE stops at start-up with a device-side assert (padding rows carry expert id -1)",
 )
