@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import APHRODITE_VERSION, NO_KERNELS, needs_buggy, needs_fixed
+from helpers import APHRODITE_VERSION, NO_KERNELS, needs_aphrodite, needs_buggy, needs_fixed
 
 
 @needs_buggy
@@ -184,6 +184,7 @@ def test_undo_is_last_in_first_out(overlay):
     assert overlay.REGISTRY.applied_ids() == []
 
 
+@needs_aphrodite  # the registry applies nothing where aphrodite is not installed (NOT_APPLICABLE)
 def test_the_patches_that_check_a_tag_after_apply_say_so():
     """P3, P8, P9, P10, P12, P13 and P14 recognise themselves after apply by the tag on the replaced function (their
     bug is in a GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
