@@ -45,11 +45,13 @@ from .engine_checks import (
     MOE_STREAM_DOC,
     activation_dtype,
     check_compiled_mode,
+    check_dtype,
     check_moe_graphs,
     check_moe_lora,
     check_moe_padding,
     check_moe_release,
     check_moe_stream,
+    check_release,
     installed_version,
     is_exl3_moe,
     without_fix,
@@ -84,6 +86,7 @@ __all__ = [
     "activation_dtype",
     "as_json",
     "check_compiled_mode",
+    "check_dtype",
     "check_exl3",
     "check_exl3_experts",
     "check_files",
@@ -92,6 +95,7 @@ __all__ = [
     "check_moe_padding",
     "check_moe_release",
     "check_moe_stream",
+    "check_release",
     "codebook_of",
     "diagnose",
     "image_tokens",
@@ -167,17 +171,21 @@ def diagnose(model_dir: str | Path, options: Options | None = None, **flags) -> 
         check_exl3(report, folder, shape, tensors, o.tp)
     counts = {t: shape.layer_types.count(t) for t in sorted(set(shape.layer_types))}
     report.add("OK", "layers", ", ".join(f"{n} {t}" for t, n in counts.items()) or "no layer_types (not hybrid)")
-    release = o.release
+    release = o.release or (installed_version() if o.check_overlay else None)
+    check_release(report, release, named=o.release is not None)
+    served = config is None or check_dtype(report, shape, o.dtype, release)
     if o.check_overlay:
         statuses = overlay_status(report)
         if config is not None:
-            check_compiled_mode(report, shape, o.enable_lora, o.dtype, statuses.get("P4"))
+            if served:
+                check_compiled_mode(report, shape, o.enable_lora, o.dtype, statuses.get("P4"))
             check_moe_lora(report, shape, o.enable_lora, statuses.get("P5"))
             check_moe_graphs(report, shape, o.enforce_eager, statuses.get("P7"))
             check_moe_stream(report, shape, statuses.get("P6"))
             check_moe_padding(report, shape, statuses.get("P9"))
-            release = release or installed_version()
             check_moe_release(report, shape, release)
+    if not served:
+        return report
     engine = Engine(
         o.gpu_mem or 0,
         tp=o.tp,
@@ -257,13 +265,13 @@ def render(report: Report) -> str:
                 f"{u['max_concurrency'][0]:.2f} - {u['max_concurrency'][1]:.2f}x (the pool range above)"
             )
             lines.append(
-                f"  pin after a start   --kv-cache-memory {p['pin_kv_cache_memory']:,} (this plan's pool less the "
+                f"  pin after a start   --kv-cache-memory-bytes {p['pin_kv_cache_memory']} (this plan's pool less the "
                 "engine's 150 MiB margin; prefer the figure the engine logs)"
             )
             if not p["engine"]["enforce_eager"]:
                 lines.append(
-                    f"  pin at least        --kv-cache-memory {p['min_kv_cache_memory_for_graphs']:,} with CUDA graphs "
-                    f"(one Mamba cache block per sequence: {p['engine']['max_num_seqs']:,} x "
+                    f"  pin at least        --kv-cache-memory-bytes {p['min_kv_cache_memory_for_graphs']} "
+                    f"with CUDA graphs (one Mamba cache block per sequence: {p['engine']['max_num_seqs']:,} x "
                     f"{p['layout']['page_bytes']:,} B x {p['layout']['group_size']})"
                 )
     lines.append({0: "result: ok", 1: "result: warnings", 2: "result: blocking problems"}[report.exit_code])

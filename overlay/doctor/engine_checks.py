@@ -19,6 +19,46 @@ def activation_dtype(shape: Shape, dtype: str = "auto") -> tuple[str, str]:
     return "bfloat16", f"config.json dtype {declared or 'not set'} (auto: bfloat16)"
 
 
+def check_release(report: Report, version: str | None, named: bool) -> None:
+    """A WARN where the plan is for a release outside the tested ones (overlay/compat.py TESTED_RELEASES): the
+    patches, probes and memory terms were written and checked against those only."""
+    from hybrid_exl3_fixes.compat import TESTED_RELEASES, is_tested
+
+    if version is None or is_tested(version):
+        return
+    where = "--release" if named else "the installed aphrodite-engine"
+    report.add(
+        "WARN",
+        "release",
+        f"{where} is {version}, outside the releases this overlay is tested against ({TESTED_RELEASES[0]} - "
+        f"{TESTED_RELEASES[-1]}): the patches may not apply, and the plan below "
+        "follows the nearest tested release's arithmetic",
+    )
+
+
+def check_dtype(report: Report, shape: Shape, dtype: str, version: str | None) -> bool:
+    """Whether the engine accepts the activation dtype for this checkpoint; a BLOCK where it does not. EXL3 serves
+    only in the dtypes Exl3Config.get_supported_act_dtypes returns (overlay/compat.py EXL3_ACT_DTYPES, read from
+    each release's exl3.py); the engine's config check refuses any other before it loads a weight."""
+    from hybrid_exl3_fixes.compat import NEWEST_TESTED, exl3_act_dtypes
+
+    if shape.quant.get("quant_method") != "exl3":
+        return True
+    act, source = activation_dtype(shape, dtype)
+    allowed = exl3_act_dtypes(version)
+    if act in allowed:
+        return True
+    report.add(
+        "BLOCK",
+        "dtype",
+        f"{act} activations ({source}): aphrodite {version or NEWEST_TESTED} serves EXL3 only in "
+        f"{' or '.join(allowed)} (Exl3Config.get_supported_act_dtypes) and refuses {act} at start-up "
+        f'("torch.{act} is not supported for quantization method exl3"); serve with --dtype bfloat16 or leave '
+        "--dtype at auto. No memory plan for a configuration the engine refuses.",
+    )
+    return False
+
+
 MOE_LORA_DOC = "docs/upstream/exl3-moe-lora-device.md"
 
 

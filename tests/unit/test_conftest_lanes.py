@@ -18,6 +18,7 @@ def listed_file(name: str):
     assert len(found) == 1, f"{name} is listed in VERSION_INDEPENDENT but is in {len(found)} test folders"
     return found[0]
 
+
 RELEASE_DEPENDENT = re.compile(
     r"^\s*(import aphrodite|from aphrodite)|needs_aphrodite|needs_buggy|needs_fixed|HAS_APHRODITE|APHRODITE_VERSION"
     r"|aphrodite_site|aphrodite_copy|apply_all|check_overlay=True|find_spec\(.aphrodite",

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from helpers import APHRODITE_VERSION, HAS_APHRODITE
 from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
 from hybrid_exl3_fixes.doctor import diagnose
 
@@ -235,18 +236,25 @@ def test_doctor_on_a_bfloat16_checkpoint_says_ok_and_on_a_float16_one_names_the_
 
 
 @pytest.mark.parametrize(
-    "dtype, width",
-    [("auto", 2), ("bfloat16", 2), ("float16", 2), ("half", 2), ("float32", 4), ("float", 4)],
+    "dtype, width, folder",
+    [
+        ("auto", 2, "exl3"),
+        ("bfloat16", 2, "exl3"),
+        ("float16", 2, "exl3"),
+        ("half", 2, "exl3"),
+        ("float32", 4, "dense"),
+        ("float", 4, "dense"),
+    ],
 )
-def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width):
-    """Each --dtype aphrodite accepts (config/model.py ModelDType) gives a plan: ``float`` is float32 and ``half``
-    float16, and the KV cache (``auto``) and the conv state are kept in that dtype, in the plan's figures and in its
-    printed formula alike."""
+def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width, folder):
+    """Each --dtype aphrodite accepts for the checkpoint (config/model.py ModelDType; EXL3 only float16 and bfloat16)
+    gives a plan: ``float`` is float32 and ``half`` float16, and the KV cache (``auto``), the conv state and the
+    activations are kept in that dtype, in the plan's figures and in its printed formula alike."""
     from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
     from hybrid_exl3_fixes.cli import main
 
-    write_tiny(tmp_path / "t", TinySpec(), dense=False)
-    args = ["doctor", str(tmp_path / "t" / "exl3"), "--language-model-only", "--gpu-mem", "24", "--dtype", dtype]
+    write_tiny(tmp_path / "t", TinySpec())
+    args = ["doctor", str(tmp_path / "t" / folder), "--language-model-only", "--gpu-mem", "24", "--dtype", dtype]
     code = main([*args, "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == out["exit_code"] in (0, 1), out["findings"]
@@ -257,9 +265,136 @@ def test_every_dtype_choice_plans(tmp_path, capsys, dtype, width):
     expected = {"auto": "bfloat16", "half": "float16", "float": "float32"}.get(dtype, dtype)
     assert plan["engine"]["dtype"] == expected
     assert plan["conv_state_bytes_per_sequence"] == 3 * 1024 * 3 * width  # 3 GDN layers x 1024 channels x 3
+    assert f"x {width} B" in plan["terms"]["activation_peak"]["formula"]
     main(args)
     printed = capsys.readouterr().out
     assert f"x 2 (K,V) x {width} B" in printed and "unexpected" not in printed
+
+
+def test_activations_count_the_dtype_bytes(tmp_path):
+    """The activation term grows with the activations' width: float32 holds more than bfloat16 on the same model."""
+    from hybrid_exl3_fixes import doctor
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+
+    write_tiny(tmp_path / "t", TinySpec())
+    peaks = {
+        d: doctor.diagnose(tmp_path / "t" / "dense", gpu_mem=24, dtype=d, language_model_only=True).plan["terms"][
+            "activation_peak"
+        ]["bytes"]
+        for d in ("bfloat16", "float32")
+    }
+    assert peaks["float32"] > peaks["bfloat16"], peaks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float"])
+@pytest.mark.parametrize("release", ["0.20.0", "0.21.0", "0.24.1"])
+def test_exl3_in_float32_is_blocked(tmp_path, capsys, dtype, release):
+    """Every release's Exl3Config.get_supported_act_dtypes is [float16, bfloat16] and the engine refuses any other at
+    start-up: doctor says so as a BLOCK, prints the flag that works, and plans nothing for a start that cannot
+    happen (no compiled-mode OK, no memory OK)."""
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.cli import main
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    model = str(tmp_path / "t" / "exl3")
+    code = main(["doctor", model, "--gpu-mem", "80", "--dtype", dtype, "--release", release, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == out["exit_code"] == 2
+    blocked = [f for f in out["findings"] if f["check"] == "dtype"]
+    assert [f["level"] for f in blocked] == ["BLOCK"], out["findings"]
+    assert "float32" in blocked[0]["message"] and "--dtype bfloat16" in blocked[0]["message"]
+    assert not [f for f in out["findings"] if f["check"] in ("compiled-mode", "memory") and f["level"] == "OK"]
+    assert not out["plan"]
+    main(["doctor", model, "--gpu-mem", "80", "--dtype", dtype, "--release", release])
+    assert "result: blocking problems" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_APHRODITE, reason="the installed release's Exl3Config is what the table must match")
+def test_the_dtype_table_is_the_installed_release_s():
+    """overlay/compat.py's EXL3_ACT_DTYPES is what this lane's Exl3Config.get_supported_act_dtypes returns."""
+    import torch
+    from aphrodite.model_executor.layers.quantization.exl3 import Exl3Config
+
+    from hybrid_exl3_fixes.compat import exl3_act_dtypes
+
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    assert tuple(names[d] for d in Exl3Config().get_supported_act_dtypes()) == exl3_act_dtypes(APHRODITE_VERSION)
+
+
+@pytest.mark.parametrize("release", ["9.9.9", "0.19.0"])
+def test_a_release_outside_the_tested_ones_is_a_warning(tmp_path, capsys, release):
+    """--release outside 0.20.0-0.24.1: the plan still comes, with a WARN that names the tested range."""
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.cli import main
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    code = main(["doctor", str(tmp_path / "t" / "exl3"), "--gpu-mem", "24", "--release", release, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    warned = [f for f in out["findings"] if f["check"] == "release"]
+    assert [f["level"] for f in warned] == ["WARN"] and "0.20.0 - 0.24.1" in warned[0]["message"], out["findings"]
+    assert code == out["exit_code"] >= 1 and out["plan"]["kv_cache_tokens"] > 0
+
+
+@pytest.mark.parametrize("release", ["0.20.0", "0.24.1"])
+def test_a_tested_release_is_not_warned_about(tmp_path, capsys, release):
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.cli import main
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    main(["doctor", str(tmp_path / "t" / "exl3"), "--gpu-mem", "24", "--release", release, "--json"])
+    assert not [f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "release"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "removed"])
+def test_weights_doctor_could_not_read_are_not_an_ok_plan(tmp_path, capsys, damage):
+    """A shard cut short or emptied, or no shard at all: the plan with --gpu-mem counts too few weights, so its pool
+    is larger than the engine's; the memory finding says so (never OK)."""
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    model = tmp_path / "t" / "exl3"
+    shard = next(model.glob("*.safetensors"))
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif damage == "emptied":
+        shard.write_bytes(b"")
+    else:
+        shard.unlink()
+    from hybrid_exl3_fixes.cli import main
+
+    code = main(["doctor", str(model), "--gpu-mem", "24", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    memory = [f for f in out["findings"] if f["check"] == "memory"]
+    assert [f["level"] for f in memory] == ["WARN"], out["findings"]
+    assert "weights" in memory[0]["message"] and code == out["exit_code"] >= 1
+
+
+def test_the_printed_pins_parse_as_the_engine_s_flag(tmp_path, capsys):
+    """Both pins doctor prints are pasted as they are: ``--kv-cache-memory-bytes N``, no thousands separators (the
+    engine's flag, aphrodite engine/arg_utils.py, takes an integer); where aphrodite is installed, its own parser
+    takes them."""
+    import re
+
+    from hybrid_exl3_fixes.checkpoint.tiny import TinySpec, write_tiny
+    from hybrid_exl3_fixes.cli import main
+
+    write_tiny(tmp_path / "t", TinySpec(), dense=False)
+    main(["doctor", str(tmp_path / "t" / "exl3"), "--gpu-mem", "24"])
+    printed = capsys.readouterr().out
+    pins = re.findall(r"^  pin .*?(--kv-cache-memory\S*) (\S+)", printed, re.M)
+    assert len(pins) == 2, printed
+    for flag, value in pins:
+        assert flag == "--kv-cache-memory-bytes" and value.isdigit(), (flag, value)
+    if HAS_APHRODITE:
+        # the flag's own converter, as EngineArgs.add_cli_args registers it (the whole parser infers a device)
+        import argparse
+
+        from aphrodite.config import CacheConfig
+        from aphrodite.engine.arg_utils import get_kwargs
+
+        parse = get_kwargs(CacheConfig)["kv_cache_memory_bytes"]["type"]
+        for _, value in pins:
+            assert parse(value) == int(value)
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(f"{int(pins[0][1]):,}")  # the form doctor printed before: the engine refuses it
 
 
 def test_every_flag_has_help():

@@ -50,18 +50,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ...compat import NEWEST_TESTED
 from . import bounds, profile, vision
 
 GIB = 1 << 30
 MIB = 1 << 20
 BIG_GPU_GIB = 70  # get_batch_defaults: >= 70 GiB (and not an A100) gets the large batch defaults
-REDUNDANCY = 150 * MIB  # gpu_worker.py: the margin the engine leaves in its own --kv-cache-memory advice
+REDUNDANCY = 150 * MIB  # gpu_worker.py: the margin the engine leaves in its own --kv-cache-memory-bytes advice
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # --dtype's other spellings (aphrodite config/model.py: ModelDType and _STR_DTYPE_TO_TORCH_DTYPE, 0.20 - 0.24.1)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
-NEWEST_RELEASE = "0.24.1"  # the plan's release when none is named or installed
+NEWEST_RELEASE = NEWEST_TESTED  # the plan's release when none is named or installed
 PREFIX_CACHING_DEFAULT_FROM = (0, 23, 0)  # hybrid models get prefix caching by default from this release on
 
 

@@ -5,7 +5,7 @@ Every term gets ``low`` (it may be this many bytes smaller) and ``high`` (this m
 calibration rows it rests on (bench/results/memory_plan.md: 0.21.0 on an H200, 0.24.1 on an H100), or the source it is
 read from. Terms restated from aphrodite's code (requested memory, weights, LoRA buffers) carry none. The pool's range
 is the plan's pool less the sum of the ``high`` bounds to plus the sum of the ``low`` ones; tokens and concurrency
-follow through the KV layout. A pinned pool (``--kv-cache-memory``) has no such range: the engine skips profiling.
+follow through the KV layout. A pinned pool (``--kv-cache-memory-bytes``) has no such range: the engine skips profiling.
 
 TP > 1 adds NCCL's lazily allocated connection buffers (arithmetic.plan's ``nccl_buffers``): the engine's profiling run
 makes the first all-reduces, NCCL connects then (``NCCL_RUNTIME_CONNECT`` defaults to 1, NCCL 2.30.7

@@ -39,6 +39,15 @@ def state_bytes_per_sequence(shape: Shape, dtype: str = "bfloat16") -> tuple[int
     )
 
 
+def uncounted_weights(report: Report, weights: int) -> str:
+    """Why the weights term is short of what the engine loads ('' when every shard was read): no weights at all, or
+    shards whose headers could not be read (each a BLOCK ``weights`` finding of files.read_weights)."""
+    unreadable = sum(f.check == "weights" and f.level == "BLOCK" for f in report.findings)
+    if unreadable:
+        return f"{unreadable} shard{'s' if unreadable > 1 else ''} unreadable, above"
+    return "no safetensors weights were read" if weights == 0 else ""
+
+
 def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_mem, gpus, eng: Engine) -> dict:
     """The plan's terms, each with its formula; empty when config.json lacks what a term needs."""
     if not (shape.kv_ready and shape.state_ready):
@@ -98,7 +107,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             "max_concurrency": cap["max_concurrency"],
             "max_concurrency_at_context": min(int(cap["max_concurrency"]), eng.max_num_seqs),
             "pin_kv_cache_memory": engine["pin_kv_cache_memory"],
-            # the smallest --kv-cache-memory whose blocks cover --max-num-seqs (CUDA graphs: see the check below)
+            # the smallest --kv-cache-memory-bytes whose blocks cover --max-num-seqs (CUDA graphs: see the check below)
             "min_kv_cache_memory_for_graphs": eng.max_num_seqs
             * engine["layout"]["page_bytes"]
             * engine["layout"]["group_size"],
@@ -136,6 +145,14 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             f'cache blocks ({cap["blocks"]})"); pass --max-num-seqs {cap["blocks"]} or less, give it more memory, '
             "or use --enforce-eager",
         )
+    elif uncounted := uncounted_weights(report, weights):
+        report.add(
+            "WARN",
+            "memory",
+            f"the plan counts {weights / GIB:.3f} GiB of weights ({uncounted}): the engine's KV pool will be smaller "
+            f"than the {pool / GIB:.2f} GiB and {cap['kv_cache_tokens']:,} tokens below; fix the weights and run "
+            "doctor again",
+        )
     else:
         report.add(
             "OK",
@@ -143,6 +160,7 @@ def memory_plan(report: Report, folder: Path, shape: Shape, tensors: dict, gpu_m
             f"KV pool {pool / GIB:.2f} GiB per GPU ({u['pool_gib'][0]:.2f}-{u['pool_gib'][1]:.2f} within the terms' "
             f"bounds): {cap['kv_cache_tokens']:,} tokens, concurrency {cap['max_concurrency']:.2f}x at {context:,} "
             f"tokens ({u['max_concurrency'][0]:.2f}-{u['max_concurrency'][1]:.2f}x); after the first start pin the "
-            "engine's own figure with --kv-cache-memory (it skips profiling and survives other processes' memory)",
+            "engine's own figure with --kv-cache-memory-bytes (it skips profiling and survives other processes' "
+            "memory)",
         )
     return plan

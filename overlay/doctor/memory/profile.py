@@ -59,18 +59,24 @@ def head_reconstruct(rows: int, in_features: int, out_features: int, release: tu
 
 def activation_peak(shape, tensors: dict, eng, exl3: bool) -> tuple[int, str]:
     """Torch peak of the profiling run: the larger of the forward pass over max_num_batched_tokens and the
-    sampler pass over max_num_seqs rows (which, for an EXL3 head, may reconstruct the head in fp16)."""
+    sampler pass over max_num_seqs rows (which, for an EXL3 head, may reconstruct the head in fp16). Activations
+    count ``eng.dtype``'s bytes a value; EXL3's own outputs and reconstructions are float16 whatever it is."""
+    from .arithmetic import dtype_bytes
+
+    w = dtype_bytes(eng.dtype)
     h, vocab, inter = shape.hidden or 0, shape.vocab or 0, shape.intermediate or 0
     if shape.moe:
         inter = max(shape.moe.get("shared_intermediate") or 0, shape.moe.get("intermediate") or 0)
     tokens, rows, release = eng.max_num_batched_tokens, eng.max_num_seqs, eng.release_version
     head_exl3 = exl3 and any(n.startswith("lm_head.") and n.endswith(".trellis") for n in tensors)
     rebuilt, how = head_reconstruct(rows, h, vocab, release, eng.eager) if head_exl3 else (0, "")
-    head = rebuilt // eng.tp + rows * vocab * 2 // eng.tp + tokens * h * 2
-    # MLP activations at max_num_batched_tokens: gate/up outputs, and for EXL3 also their fp16 concat and
-    # its cast back to the model dtype (apply runs one kernel per checkpoint tensor and joins them);
-    # a handful of hidden-width copies around it (residual, norm, x_had)
-    forward = tokens * 2 * ((4 if exl3 else 3) * inter // eng.tp + (6 if exl3 else 4) * h)
+    head = rebuilt // eng.tp + rows * vocab * w // eng.tp + tokens * h * w
+    # MLP activations at max_num_batched_tokens, in the model dtype: gate/up outputs and a handful of hidden-width
+    # copies (residual, norm, x_had); for EXL3 also the float16 concat of the gate/up outputs and of the input
+    # (apply runs one kernel per checkpoint tensor, joins them in float16 and casts back to the model dtype)
+    model_part = w * (3 * inter // eng.tp + 4 * h)
+    exl3_part = 2 * (inter // eng.tp + 2 * h) if exl3 else 0
+    forward = tokens * (model_part + exl3_part)
     largest = 0
     if exl3 and tokens > reconstruct_rows(release):  # the largest EXL3 tensor a pass reconstructs (head aside)
         largest = max(
@@ -85,10 +91,11 @@ def activation_peak(shape, tensors: dict, eng, exl3: bool) -> tuple[int, str]:
     sampler = rows * vocab * 4 * 2 // eng.tp
     peak = max(head, forward, sampler)
     which = {head: "sampler pass through the head", forward: "forward pass", sampler: "sampler (fp32 logits)"}[peak]
+    exl3_text = f" + 2 B x ({inter} + 2 x {h}) EXL3 float16" if exl3 else ""
     return peak, (
         f"max(head pass {head / GIB:.2f} GiB = {how + ' ' + format(rebuilt / GIB, '.2f') + ' GiB + ' if how else ''}"
-        f"{rows} rows x {vocab:,} x 2 B + {tokens} x {h} x 2 B; forward {forward / GIB:.2f} GiB = {tokens} tokens x "
-        f"2 B x ({4 if exl3 else 3} x {inter} + {6 if exl3 else 4} x {h})"
+        f"{rows} rows x {vocab:,} x {w} B + {tokens} x {h} x {w} B; forward {forward / GIB:.2f} GiB = {tokens} tokens "
+        f"x ({w} B x (3 x {inter} + 4 x {h}){exl3_text})"
         f"{' + largest EXL3 reconstruct' if largest else ''}; sampler "
         f"{sampler / GIB:.2f} GiB): {which}"
     )
