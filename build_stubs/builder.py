@@ -169,12 +169,13 @@ def _compiler(env: dict[str, str]) -> str | None:
     return None
 
 
-def generate_stub(header: Path, dest: Path, cc: str) -> int:
-    """Compile a stub exporting every driver symbol of ``header``; each returns 34. Returns the count."""
+def generate_stub(header: Path, dest: Path, cc: str, work: Path) -> int:
+    """Compile a stub exporting every driver symbol of ``header``; each returns 34. Returns the count. The C source
+    is written in ``work``, never beside ``dest``: the stub folder holds only what _check_out lets a rerun replace."""
     symbols = driver_symbols(header.read_text(errors="replace"))
     if len(symbols) < 100:
         raise BuildError(f"{header} declares only {len(symbols)} driver functions: not a CUDA driver API header")
-    source = dest.parent / "libcuda_stub.c"
+    source = work / "libcuda_stub.c"
     lines = [
         f"/* libcuda stub generated from {header} by hybrid-exl3-fixes: link-time only. */",
         f"#define STUB {{ return {CUDA_ERROR_STUB_LIBRARY}; /* CUDA_ERROR_STUB_LIBRARY */ }}",
@@ -281,11 +282,16 @@ def env_sh(out: Path, wsl_driver: Path | None) -> str:
 # -- the whole job ------------------------------------------------------------------------
 
 
+# What a stub folder holds, and so what a rerun into it may replace; libcuda_stub.c is the C source that earlier
+# versions of this builder left beside a generated stub.
+STUB_FILES = ("libcuda.so", "manifest.json", "env.sh", "libcuda_stub.c")
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise BuildError(f"{out} exists and is not a folder")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in ("libcuda.so", "manifest.json", "env.sh"))
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in STUB_FILES)
         if foreign:
             raise BuildError(
                 f"{out} holds other files ({', '.join(foreign)}); the stub folder must hold only the stub. "
@@ -346,7 +352,8 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
                     "no C compiler (cc/gcc, or $CC) to build the stub from "
                     f"{headers[0]}: apt-get install gcc, or set CC"
                 )
-            symbols = generate_stub(headers[0], stage_lib, cc)
+            (staging / "src").mkdir()
+            symbols = generate_stub(headers[0], stage_lib, cc, staging / "src")
             source = f"generated from {headers[0]}"
         soname = read_soname(stage_lib, readelf)
         if soname != SONAME:

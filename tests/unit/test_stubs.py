@@ -98,6 +98,29 @@ def test_wsl_layout_generates_from_cuda_h(tmp_path):
 
 
 @needs_header
+def test_a_rerun_into_its_own_folder_replaces_it(tmp_path, monkeypatch, capsys):
+    """`make stubs && make stubs`: the generated stub's folder holds only the stub's files (no C source beside it),
+    so a second run replaces it and exits 0; a folder an older release left with libcuda_stub.c is replaced too."""
+    from hybrid_exl3_fixes.cli import main
+
+    root = tmp_path / "root"
+    (root / "opt/cuda/include").mkdir(parents=True)
+    shutil.copy(REAL_HEADERS[0], root / "opt/cuda/include/cuda.h")
+    monkeypatch.setenv("CUDA_HOME", "/opt/cuda")
+    for var in ("CONDA_PREFIX", "CUDA_PATH", "LD_LIBRARY_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", SYSTEM_PATH)
+    out = tmp_path / "build" / "stubs"
+    for _ in range(2):
+        assert main(["stubs", "--out", str(out), "--root", str(root)]) == 0, capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["env.sh", "libcuda.so", "manifest.json"]
+    (out / "libcuda_stub.c").write_text("/* what earlier versions of the builder left here */\n")
+    assert main(["stubs", "--out", str(out), "--root", str(root)]) == 0
+    assert not (out / "libcuda_stub.c").exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["stubs"]  # no staging or set-aside folder left
+
+
+@needs_header
 def test_program_linked_against_the_stub_loads_the_driver_by_soname(tmp_path):
     out = tmp_path / "out"
     build_stubs(out, env=env(CUDA_HOME=str(Path(REAL_HEADERS[0]).parent.parent)))
