@@ -86,7 +86,7 @@ def row(statuses: dict, patches) -> list[str]:
 
 def patches_in_id_order():
     import hybrid_exl3_fixes
-    from hybrid_exl3_fixes.cli import patch_number
+    from hybrid_exl3_fixes.registry import patch_number
 
     return sorted(hybrid_exl3_fixes.PATCHES, key=lambda p: patch_number(p.id))
 

@@ -31,7 +31,7 @@ from .aphrodite.model_executor.layers.quantization.exl3 import (
     p12_mid_batch,
     p13_moe_expert_lora,
 )
-from .registry import DISABLE_ENV, Patch, Registry, Result, Status, in_apply_order, logger
+from .registry import DISABLE_ENV, Patch, Registry, Result, Status, in_apply_order, logger, patch_number
 
 __all__ = [
     "PATCHES",
@@ -43,6 +43,7 @@ __all__ = [
     "summary",
     "register",
     "plugin_gate",
+    "off_switch_warning",
     "DISABLE_ENV",
     "PLUGIN_NAME",
 ]
@@ -147,6 +148,19 @@ def summary(results: list[Result]) -> str:
     return line + (f" (aphrodite {version})" if version else " (aphrodite not installed)")
 
 
+def off_switch_warning() -> str | None:
+    """What is wrong with the off switch, or None: the entries of HYBRID_EXL3_FIXES_DISABLE that name no patch, and
+    the ids that exist. Said in the engine's log (:func:`register`) and by ``status``; nothing else changes."""
+    unknown = REGISTRY.unknown_disabled()
+    if not unknown:
+        return None
+    ids = sorted((p.id for p in PATCHES), key=patch_number)
+    return (
+        f"{DISABLE_ENV} names no patch: {', '.join(repr(u) for u in unknown)}; nothing was switched off for "
+        f"{'it' if len(unknown) == 1 else 'them'}. The ids: {','.join(ids)} (separated by commas), or 1 for all"
+    )
+
+
 def plugin_gate() -> str | None:
     """Why aphrodite would not load this plugin in its processes, or None when it would."""
     names = {ep.name for ep in importlib.metadata.entry_points(group="aphrodite.general_plugins")}
@@ -179,7 +193,10 @@ def register() -> None:
                     result.patch.slug,
                     result.patch.upstream,
                 )
-        worst = any(r.is_problem for r in results)
+        switch = off_switch_warning()
+        worst = any(r.is_problem for r in results) or switch
         logger.log(logging.WARNING if worst else logging.INFO, "%s", summary(results))
+        if switch:
+            logger.warning("hybrid-exl3-fixes: %s", switch)
     except Exception:  # pragma: no cover - the last line of defence for the engine
         logger.exception("hybrid-exl3-fixes: unexpected error; the engine runs unpatched")

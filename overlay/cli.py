@@ -6,18 +6,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 
-EXIT_OK, EXIT_DRIFTED, EXIT_NOT_LOADED, EXIT_BROKEN_INSTALL = 0, 1, 2, 3
+from .cli_status import cmd_status
+
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in this tool, not in the user's input
-
-
-def patch_number(patch_id: str) -> tuple[int, str]:
-    """Display order, P1 < P2 < P2b < ... < P11 (the registry applies P9 before P7, which wraps it)."""
-    digits = "".join(c for c in patch_id[1:] if c.isdigit())
-    return int(digits or 0), patch_id
 
 
 DEBUG_ENV = "HYBRID_EXL3_FIXES_DEBUG"
@@ -77,73 +71,6 @@ def package_version() -> str:
         return version("hybrid-exl3-fixes")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    # quiet unless something is wrong: aphrodite's import-time INFO/WARNING lines (no libcuda on a CPU machine,
-    # Triton without a driver, UCX settings) say nothing about the patches; the table says what matters. A
-    # logging level the user set is kept.
-    os.environ.setdefault("APHRODITE_LOGGING_LEVEL", "ERROR")
-    import hybrid_exl3_fixes as overlay
-
-    gate = overlay.plugin_gate()
-    loaded_by_aphrodite = False
-    try:
-        from aphrodite.plugins import load_general_plugins
-    except ImportError:
-        load_general_plugins = None
-    except Exception as exc:  # an aphrodite that fails to import is reported, not raised
-        print(f"hybrid-exl3-fixes: importing aphrodite.plugins failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        load_general_plugins = None
-    if load_general_plugins is not None and gate is None:
-        # The real path: aphrodite's own loader finds the entry point and calls register().
-        load_general_plugins()
-        loaded_by_aphrodite = len(overlay.REGISTRY.results) == len(overlay.PATCHES)
-    results = overlay.status()  # applies here when aphrodite did not (dry runs still probe)
-
-    broken = [r for r in results if r.status is overlay.Status.BROKEN_INSTALL]
-    drifted = any(r.is_problem for r in results)
-    not_loaded = load_general_plugins is not None and gate is not None
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "aphrodite": overlay.aphrodite_version(),
-                    "loaded_by_aphrodite": loaded_by_aphrodite,
-                    "plugin_gate": gate,
-                    "summary": overlay.summary(results),
-                    "patches": [r.as_dict() for r in results],
-                },
-                indent=2,
-            ),
-            file=args.json_out,
-        )
-    else:
-        rows = [("patch", "status", "upstream", "fixed in", "reason")]
-        rows += [
-            (f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.upstream, r.patch.fixed_in or "-", r.reason)
-            for r in sorted(results, key=lambda r: patch_number(r.patch.id))
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        for row in rows:
-            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
-        print(overlay.summary(results))
-        if any(r.patch.upstream.startswith(("docs/", "not reported yet (patches/")) for r in results):
-            print(
-                "(docs/upstream/... and patches/... are files of the hybrid-exl3-fixes source repository, "
-                "not of the installed package)"
-            )
-        if not_loaded:
-            print(f"WARNING: aphrodite will not load the overlay: {gate}. The table shows what it would do.")
-        if broken:
-            print(f"ERROR: the aphrodite install is broken, not the patches: {broken[0].reason}")
-        ids = sorted((p.id for p in overlay.PATCHES), key=patch_number)
-        print(f"Off switch: {overlay.DISABLE_ENV}=1 (all) or ={','.join(ids)} (some).")
-    if broken:
-        return EXIT_BROKEN_INSTALL
-    if drifted:
-        return EXIT_DRIFTED
-    return EXIT_NOT_LOADED if not_loaded else EXIT_OK
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -203,6 +203,12 @@ class _Saved:
     had_own: bool  # the attribute was in the owner's own __dict__ (else it was inherited)
 
 
+def patch_number(patch_id: str) -> tuple[int, str]:
+    """Display order, P1 < P2 < P2b < ... < P11 (the registry applies P9 before P7, which wraps it)."""
+    digits = "".join(c for c in patch_id[1:] if c.isdigit())
+    return int(digits or 0), patch_id
+
+
 class Registry:
     def __init__(self, patches: list[Patch]):
         self.patches = patches
@@ -220,6 +226,16 @@ class Registry:
         if raw.lower() in ("1", "true", "yes", "all"):
             return set()
         return {part.strip().upper() for part in raw.split(",") if part.strip()}
+
+    def unknown_disabled(self) -> list[str]:
+        """The entries of the off switch that name no patch of this registry (by id or slug, any case), as the user
+        wrote them: ``P99``, ``P1;P2`` (ids are separated by commas). Such an entry switches nothing off."""
+        ids = self.disabled_ids()
+        if not ids:
+            return []
+        known = {p.id.upper() for p in self.patches} | {p.slug.upper() for p in self.patches}
+        parts = (part.strip() for part in os.environ.get(DISABLE_ENV, "").split(","))
+        return [part for part in parts if part and part.upper() not in known]
 
     def _is_disabled(self, patch: Patch) -> bool:
         ids = self.disabled_ids()

@@ -418,7 +418,7 @@ def test_every_flag_has_help():
 def test_status_lists_patches_by_number():
     """status prints P1 .. P14 in number order, though the registry applies P9 before P7 (P7 wraps it)."""
     import hybrid_exl3_fixes as overlay
-    from hybrid_exl3_fixes.cli import patch_number
+    from hybrid_exl3_fixes.registry import patch_number
 
     ids = [p.id for p in overlay.PATCHES]
     assert ids.index("P9") < ids.index("P7")  # the apply order (Patch.after)

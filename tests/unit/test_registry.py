@@ -200,7 +200,7 @@ def test_the_patches_that_check_a_tag_after_apply_say_so():
 
 def test_the_apply_order_is_patch_id_order_but_where_after_says_otherwise():
     import hybrid_exl3_fixes as overlay
-    from hybrid_exl3_fixes.cli import patch_number
+    from hybrid_exl3_fixes.registry import patch_number
 
     ids = [p.id for p in overlay.PATCHES]
     for patch in overlay.PATCHES:
