@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_exl3_fixes.staging import signals_exit
+
 CUDA_ERROR_STUB_LIBRARY = 34
 SONAME = "libcuda.so.1"
 STUB_SUBDIRS = ("lib64/stubs", "lib/stubs", "targets/x86_64-linux/lib/stubs")
@@ -307,6 +309,7 @@ def _check_out(out: Path) -> None:
         raise BuildError(f"cannot write under {parent} (read-only or not yours); choose another --out")
 
 
+@signals_exit()  # SIGTERM and SIGHUP leave nothing behind either
 def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict[str, str] | None = None) -> StubResult:
     env = dict(os.environ if env is None else env)
     out = Path(out).absolute()
@@ -326,14 +329,15 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
     # Everything is built in a temporary sibling folder renamed into place at the end: a failure
     # leaves nothing behind (parent folders this call created are removed too).
     created = _missing_parents(out)
+    staging, ok = None, False
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-    except OSError as exc:
-        _remove_created(created)
-        raise BuildError(f"cannot write the stub folder {out}: {exc.strerror or exc}; choose another --out") from exc
-    ok = False
-    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+        except OSError as exc:
+            raise BuildError(
+                f"cannot write the stub folder {out}: {exc.strerror or exc}; choose another --out"
+            ) from exc
         stage_lib = staging / "lib" / "libcuda.so"
         stage_lib.parent.mkdir()
         if chosen is not None:
@@ -386,7 +390,8 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
     except OSError as exc:  # a full disk, a folder that vanished: nothing is left behind
         raise BuildError(f"writing the stub folder {out} failed: {exc.strerror or exc}") from exc
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if not ok:
             _remove_created(created)
 

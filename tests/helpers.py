@@ -65,6 +65,7 @@ VERSION_INDEPENDENT = (
     "test_packaging.py",
     "test_roofline.py",
     "test_server_suite.py",
+    "test_staging.py",
     "test_stubs.py",
     "test_tiny.py",
 )

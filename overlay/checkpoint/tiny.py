@@ -50,6 +50,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..staging import apply_umask, signals_exit
 from . import codec
 from .tinyfiles import folder_files, write_configs
 from .tinyspec import (
@@ -104,28 +105,39 @@ def write_tiny(
 
 
 def write_staged(out_dir: str | os.PathLike, write) -> dict:
-    """``write(tmp)`` into a temporary sibling of ``out_dir``, then rename it into place: a failure
-    leaves nothing. ``out_dir`` must be new or empty."""
+    """``write(tmp)`` into a temporary sibling of ``out_dir``, then rename it into place: a failure, Ctrl-C,
+    SIGTERM or SIGHUP leaves nothing. ``out_dir`` must be new or empty; what lands there has the modes the umask
+    gives, and an empty folder that was there keeps its own."""
     out = Path(out_dir)
+    kept_mode = None
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise FileExistsError(f"{out} exists and is not a folder; choose a new folder")
         if any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as exc:
-        raise FileExistsError(f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to") from None
-    try:
-        manifest = write(tmp)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-        return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        kept_mode = out.stat().st_mode & 0o7777
+    tmp = None
+    with signals_exit():
+        try:
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            except OSError as exc:
+                raise FileExistsError(
+                    f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to"
+                ) from None
+            manifest = write(tmp)
+            apply_umask(tmp)
+            if kept_mode is not None:
+                os.chmod(tmp, kept_mode)
+            if out.exists():
+                out.rmdir()
+            tmp.rename(out)
+            return manifest
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = None, dense: bool = True) -> dict:
