@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 
@@ -233,12 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="hybrid-exl3-fixes", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # required is checked by parse_command, after the unknown flags: those are named first
+    sub = parser.add_subparsers(dest="command", metavar="{status,make-tiny,stubs,doctor}")
     status = sub.add_parser(
         "status",
         help="apply through aphrodite's plugin loader and print each patch's status",
         description="Exit 0: every patch applied, fixed upstream or not applicable; "
-        "1: a patch DRIFTED or FAILED; 2: aphrodite would not load the plugin; "
+        "1: a patch DRIFTED or FAILED, or HYBRID_EXL3_FIXES_DISABLE names no patch; 2: aphrodite would not load "
+        "the plugin; "
         "3: the aphrodite install is broken (a package it needs is missing).",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -392,9 +395,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    actions = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return actions.choices[command]
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` where an unknown flag is a usage error that names it, with the usage of the command it
+    was given to (and the closest flag that command has), not argparse's top-level usage or a missing command."""
+    args, unknown = parser.parse_known_args(argv)
+    where = parser if args.command is None else subparser(parser, args.command)
+    if unknown:
+        flags = [o for a in where._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if args.command is None:
+        parser.error("a command is required: status, make-tiny, stubs or doctor")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command(parser, argv)
     try:
         if not getattr(args, "json", False):
             return args.func(args)

@@ -51,6 +51,7 @@ needs_fixed = pytest.mark.skipif(
 VERSION_INDEPENDENT = (
     "test_serving_http.py",
     "test_serving.py",
+    "test_cli.py",
     "test_codec.py",
     "test_compare_report.py",
     "test_exllamav3_generator.py",
