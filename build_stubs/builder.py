@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_exl3_fixes.staging import signals_exit
+from hybrid_exl3_fixes.staging import staged_sibling
 
 CUDA_ERROR_STUB_LIBRARY = 34
 SONAME = "libcuda.so.1"
@@ -309,7 +309,6 @@ def _check_out(out: Path) -> None:
         raise BuildError(f"cannot write under {parent} (read-only or not yours); choose another --out")
 
 
-@signals_exit()  # SIGTERM and SIGHUP leave nothing behind either
 def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict[str, str] | None = None) -> StubResult:
     env = dict(os.environ if env is None else env)
     out = Path(out).absolute()
@@ -326,72 +325,68 @@ def build_stubs(out: str | os.PathLike, root: str | os.PathLike = "/", env: dict
     cc = _compiler(env)
     cuda_home = prefixes[0][1] if prefixes else None
 
-    # Everything is built in a temporary sibling folder renamed into place at the end: a failure
+    # Everything is built in a temporary sibling folder renamed into place at the end: a failure, SIGTERM or SIGHUP
     # leaves nothing behind (parent folders this call created are removed too).
     created = _missing_parents(out)
-    staging, ok = None, False
+
+    def cannot_create(exc: OSError) -> Exception:
+        return BuildError(f"cannot write the stub folder {out}: {exc.strerror or exc}; choose another --out")
+
+    ok = False
     try:
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-        except OSError as exc:
-            raise BuildError(
-                f"cannot write the stub folder {out}: {exc.strerror or exc}; choose another --out"
-            ) from exc
-        stage_lib = staging / "lib" / "libcuda.so"
-        stage_lib.parent.mkdir()
-        if chosen is not None:
-            shutil.copyfile(chosen.path, stage_lib)
-            source, symbols = f"copied from {chosen.path} ({chosen.origin})", None
-        else:
-            headers = find_cuda_headers(prefixes, root)
-            if not headers:
-                detail = "".join(f"\n  rejected {c.path}: {c.reason}" for c in rejected)
-                raise BuildError(
-                    "no usable libcuda stub and no cuda.h to generate one from. Install a CUDA toolkit, or "
-                    "`pip install nvidia-cuda-runtime-cu12` (it ships include/cuda.h), or set CUDA_HOME." + detail
-                )
-            if cc is None:
-                raise BuildError(
-                    "no C compiler (cc/gcc, or $CC) to build the stub from "
-                    f"{headers[0]}: apt-get install gcc, or set CC"
-                )
-            (staging / "src").mkdir()
-            symbols = generate_stub(headers[0], stage_lib, cc, staging / "src")
-            source = f"generated from {headers[0]}"
-        soname = read_soname(stage_lib, readelf)
-        if soname != SONAME:
-            raise BuildError(f"self-check: the stub's SONAME is {soname!r}, not {SONAME!r}")
-        warnings = []
-        if cc is not None:
-            work = staging / "probe"
-            work.mkdir()
-            warnings += link_probe(cc, stage_lib.parent, work, cuda_home, readelf, env)
-        else:
-            warnings.append("no C compiler: the link self-check was skipped")
-        warnings += ld_library_path_warnings(env, out)
-        wsl_dir = _under(root, WSL_DRIVER_DIR)
-        wsl_driver = wsl_dir if (wsl_dir / SONAME).exists() and not ldconfig_knows_libcuda() else None
-        manifest = {
-            "source": source,
-            "soname": soname,
-            "symbols": symbols,
-            "out": str(out),
-            "sha256": hashlib.sha256(stage_lib.read_bytes()).hexdigest(),
-            "rejected": [{"path": str(c.path), "reason": c.reason} for c in rejected],
-            "warnings": warnings,
-            "error_code_returned": CUDA_ERROR_STUB_LIBRARY,
-        }
-        (staging / "lib" / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        (staging / "lib" / "env.sh").write_text(env_sh(out, wsl_driver))
-        _move_into_place(staging / "lib", out)
-        ok = True
-        return StubResult(out, source, soname, symbols, warnings, rejected)
+        with staged_sibling(out, f".{out.name}.staging-", cannot_create) as staging:
+            stage_lib = staging / "lib" / "libcuda.so"
+            stage_lib.parent.mkdir()
+            if chosen is not None:
+                shutil.copyfile(chosen.path, stage_lib)
+                source, symbols = f"copied from {chosen.path} ({chosen.origin})", None
+            else:
+                headers = find_cuda_headers(prefixes, root)
+                if not headers:
+                    detail = "".join(f"\n  rejected {c.path}: {c.reason}" for c in rejected)
+                    raise BuildError(
+                        "no usable libcuda stub and no cuda.h to generate one from. Install a CUDA toolkit, or "
+                        "`pip install nvidia-cuda-runtime-cu12` (it ships include/cuda.h), or set CUDA_HOME." + detail
+                    )
+                if cc is None:
+                    raise BuildError(
+                        "no C compiler (cc/gcc, or $CC) to build the stub from "
+                        f"{headers[0]}: apt-get install gcc, or set CC"
+                    )
+                (staging / "src").mkdir()
+                symbols = generate_stub(headers[0], stage_lib, cc, staging / "src")
+                source = f"generated from {headers[0]}"
+            soname = read_soname(stage_lib, readelf)
+            if soname != SONAME:
+                raise BuildError(f"self-check: the stub's SONAME is {soname!r}, not {SONAME!r}")
+            warnings = []
+            if cc is not None:
+                work = staging / "probe"
+                work.mkdir()
+                warnings += link_probe(cc, stage_lib.parent, work, cuda_home, readelf, env)
+            else:
+                warnings.append("no C compiler: the link self-check was skipped")
+            warnings += ld_library_path_warnings(env, out)
+            wsl_dir = _under(root, WSL_DRIVER_DIR)
+            wsl_driver = wsl_dir if (wsl_dir / SONAME).exists() and not ldconfig_knows_libcuda() else None
+            manifest = {
+                "source": source,
+                "soname": soname,
+                "symbols": symbols,
+                "out": str(out),
+                "sha256": hashlib.sha256(stage_lib.read_bytes()).hexdigest(),
+                "rejected": [{"path": str(c.path), "reason": c.reason} for c in rejected],
+                "warnings": warnings,
+                "error_code_returned": CUDA_ERROR_STUB_LIBRARY,
+            }
+            (staging / "lib" / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            (staging / "lib" / "env.sh").write_text(env_sh(out, wsl_driver))
+            _move_into_place(staging / "lib", out)
+            ok = True
+            return StubResult(out, source, soname, symbols, warnings, rejected)
     except OSError as exc:  # a full disk, a folder that vanished: nothing is left behind
         raise BuildError(f"writing the stub folder {out} failed: {exc.strerror or exc}") from exc
     finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
         if not ok:
             _remove_created(created)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # SIGINT already raises KeyboardInterrupt; SIGKILL cannot be caught
@@ -34,6 +36,25 @@ def signals_exit() -> Iterator[None]:
     finally:
         for signo, old in previous.items():
             signal.signal(signo, old)
+
+
+@contextlib.contextmanager
+def staged_sibling(out: Path, prefix: str, cannot_create: Callable[[OSError], Exception]) -> Iterator[Path]:
+    """A new temporary folder beside ``out`` (the parents made), for the block to build in and rename into place;
+    removed when the block ends, however it ends, SIGTERM and SIGHUP included (:func:`signals_exit`). A folder that
+    cannot be made raises ``cannot_create(the OSError)``."""
+    tmp = None
+    with signals_exit():
+        try:
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+            except OSError as exc:
+                raise cannot_create(exc) from None
+            yield tmp
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def current_umask() -> int:

@@ -45,12 +45,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from ..staging import apply_umask, signals_exit
+from ..staging import apply_umask, staged_sibling
 from . import codec
 from .tinyfiles import folder_files, write_configs
 from .tinyspec import (
@@ -116,28 +114,19 @@ def write_staged(out_dir: str | os.PathLike, write) -> dict:
         if any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
         kept_mode = out.stat().st_mode & 0o7777
-    tmp = None
-    with signals_exit():
-        try:
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-            except OSError as exc:
-                raise FileExistsError(
-                    f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to"
-                ) from None
-            manifest = write(tmp)
-            apply_umask(tmp)
-            if kept_mode is not None:
-                os.chmod(tmp, kept_mode)
-            if out.exists():
-                out.rmdir()
-            tmp.rename(out)
-            return manifest
-        except BaseException:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+    def cannot_create(exc: OSError) -> Exception:
+        return FileExistsError(f"cannot create {out}: {exc.strerror or exc}; choose a folder you can write to")
+
+    with staged_sibling(out, f".{out.name}.", cannot_create) as tmp:
+        manifest = write(tmp)
+        apply_umask(tmp)
+        if kept_mode is not None:
+            os.chmod(tmp, kept_mode)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        return manifest
 
 
 def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = None, dense: bool = True) -> dict:
