@@ -22,10 +22,10 @@ def table_width() -> int:
 
 
 def wrap(text: str, width: int, indent: str = "") -> list[str]:
-    """``text`` in lines of at most ``width`` characters, paths and URLs kept whole (none is longer than 60)."""
-    return textwrap.wrap(
-        text, width, initial_indent=indent, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
-    ) or [indent.rstrip()]
+    """``text`` in lines of at most ``width`` characters; paths and URLs are kept whole where they fit a line."""
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False) or [
+        indent.rstrip()
+    ]
 
 
 def render_table(results: list, width: int) -> list[str]:
@@ -35,15 +35,18 @@ def render_table(results: list, width: int) -> list[str]:
     rows += [(f"{r.patch.id} {r.patch.slug}", r.status.value, r.patch.fixed_in or "-") for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     left = sum(widths) + 2 * 3
-    beside = width - left >= 40  # a narrow terminal gets the reason under the row, indented by 4
+    texts = [(r.reason, f"upstream: {r.patch.upstream}") for r in results]
+    longest = max((len(word) for pair in texts for text in pair for word in text.split()), default=0)
+    # beside the row where the column holds 40 characters and the longest path; else under it, indented by 4
+    beside = width - left >= max(40, longest)
     text_width = width - left if beside else width - 4
     indent = " " * (left if beside else 4)
     lines = [
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(rows[0])) + ("  reason; upstream" if beside else "")
     ]
-    for row, result in zip(rows[1:], results):
+    for row, (reason, upstream) in zip(rows[1:], texts):
         head = "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) + "  "
-        body = wrap(result.reason, text_width) + wrap(f"upstream: {result.patch.upstream}", text_width)
+        body = wrap(reason, text_width) + wrap(upstream, text_width)
         if beside:
             lines.append(head + body.pop(0))
         else:

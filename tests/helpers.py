@@ -52,6 +52,7 @@ VERSION_INDEPENDENT = (
     "test_serving_http.py",
     "test_serving.py",
     "test_cli.py",
+    "test_cli_status.py",
     "test_codec.py",
     "test_compare_report.py",
     "test_exllamav3_generator.py",
