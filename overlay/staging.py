@@ -6,6 +6,7 @@ safetensors writes its files 0600, whatever the umask)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -50,11 +51,19 @@ def staged_sibling(out: Path, prefix: str, cannot_create: Callable[[OSError], Ex
                 out.parent.mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
             except OSError as exc:
-                raise cannot_create(exc) from None
+                raise cannot_create(_file_on_the_way(out) or exc) from None
             yield tmp
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _file_on_the_way(out: Path) -> OSError | None:
+    """The error to name where a folder above ``out`` is a file (mkdir says only "File exists")."""
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else NotADirectoryError(errno.ENOTDIR, f"{parent} is a file, not a folder")
+    return None
 
 
 def current_umask() -> int:

@@ -74,6 +74,13 @@ def test_make_tiny_writes_a_checkpoint_another_user_can_read(tmp_path):
     assert {p.name: mode(p) for p in paths if p.is_file()} == {p.name: 0o644 for p in paths if p.is_file()}
 
 
+def test_a_file_where_a_folder_should_be_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(FileExistsError, match=f"cannot create .*: {tmp_path / 'a-file'} is a file, not a folder"):
+        write_staged(tmp_path / "a-file" / "model", private_files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 SLOW_WRITE = """
 import sys, time
 from pathlib import Path
