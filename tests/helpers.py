@@ -73,6 +73,14 @@ VERSION_INDEPENDENT = (
 )
 
 
+def upstream_repro(name: str):
+    """The reproduction script docs/upstream/repro/NAME.py of a write-up, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "upstream" / "repro" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def aphrodite_site() -> Path:
     """The folder that holds the importable aphrodite package and its dist-info."""
     import aphrodite

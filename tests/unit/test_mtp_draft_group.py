@@ -6,20 +6,13 @@ release fixed it."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from helpers import ROOT, needs_aphrodite
-
-REPRO = ROOT / "docs" / "upstream" / "repro" / "mtp_hybrid_draft_group.py"
+from helpers import needs_aphrodite, upstream_repro
 
 
 def repro():
-    spec = importlib.util.spec_from_file_location("mtp_hybrid_draft_group", REPRO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return upstream_repro("mtp_hybrid_draft_group")
 
 
 @needs_aphrodite

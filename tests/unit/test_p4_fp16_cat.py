@@ -10,22 +10,16 @@ join keeps the strides Inductor traced.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
 
-from helpers import ROOT, exl3_linear_layer, needs_aphrodite
-
-REPRO = ROOT / "docs" / "upstream" / "repro" / "exl3_piecewise_strides.py"
+from helpers import exl3_linear_layer, needs_aphrodite, upstream_repro
 
 
 def repro():
-    spec = importlib.util.spec_from_file_location("exl3_piecewise_strides", REPRO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return upstream_repro("exl3_piecewise_strides")
 
 
 def fused_gdn_layer(exl3, method, device="meta"):
