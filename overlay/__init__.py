@@ -31,6 +31,7 @@ from .aphrodite.model_executor.layers.quantization.exl3 import (
     p12_mid_batch,
     p13_moe_expert_lora,
 )
+from .aphrodite.v1.worker import gpu_model_runner as p15
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, in_apply_order, logger, patch_number
 
 __all__ = [
@@ -70,6 +71,7 @@ PATCHES: list[Patch] = in_apply_order(
             p12_mid_batch,
             p13_moe_expert_lora,
             p14,
+            p15,
         )
     ]
 )

@@ -1,0 +1,1 @@
+"""Patches to files of ``aphrodite/v1/worker/`` (``gpu_model_runner.py``: P15)."""
