@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 from ..staging import apply_umask, staged_sibling
-from . import codec
+from . import codec, mtpaccept
 from .tinyfiles import folder_files, write_configs
 from .tinyspec import (
     EXL3_SUFFIXES,
@@ -172,6 +172,9 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         storage["lm_head"] = exl3_storage_entry(exl3_state, "lm_head", spec.head_bits, "mcg")
         codebooks["lm_head"] = "mcg"
 
+    shaped = None
+    if spec.mtp_acceptance is not None:  # after every draw: the EXL3 trellises are the same as without it
+        shaped = mtpaccept.shape(spec, exl3_state, dense_state if dense else None, torch, codec)
     if dense and spec.experts:
         fuse_experts(dense_state, spec, torch)
     add_leaf_entries(storage, exl3_state)
@@ -195,6 +198,7 @@ def _write(tmp: Path, spec: TinySpec, torch, save_file, device: str | None = Non
         "codebooks": codebooks,
         **exl3_module_lists(storage),
         "adapters": adapters,
+        **({"mtp_acceptance": shaped} if shaped else {}),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

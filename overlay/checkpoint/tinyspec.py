@@ -168,6 +168,9 @@ class TinySpec:
     # the vision tower: "tiny" (one block of width 128) or "published" (the published Qwen3.5/3.6 tower's
     # dimensions, VISION_TOWERS["published"]: ~0.43 B bfloat16 parameters, for the memory plan's vision rows)
     vision: str = "tiny"
+    # an MTP head that agrees with the trunk's greedy continuation at this rate (0..1), the trunk's next token a
+    # fixed function of the current one (checkpoint/mtpaccept.py); None: every tensor random
+    mtp_acceptance: float | None = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TinySpec:
@@ -209,6 +212,17 @@ def _check(spec: TinySpec) -> None:
         raise ValueError(f"head_bits must be 1..8 or None, got {spec.head_bits!r}")
     if spec.head_bits is not None and spec.vocab % codec.HAD:
         raise ValueError(f"vocab = {spec.vocab} is not a multiple of {codec.HAD}, which an EXL3 head needs")
+    if spec.mtp_acceptance is not None:
+        if isinstance(spec.mtp_acceptance, bool) or not isinstance(spec.mtp_acceptance, (int, float)):
+            raise ValueError(f"mtp_acceptance must be a number from 0 to 1, got {spec.mtp_acceptance!r}")
+        if not 0 <= spec.mtp_acceptance <= 1:
+            raise ValueError(f"mtp_acceptance must be from 0 to 1, got {spec.mtp_acceptance}")
+        if not spec.mtp_layers or spec.head_bits is not None or spec.vocab < 509:
+            raise ValueError(
+                "mtp_acceptance needs an MTP head (mtp_layers >= 1), a float16 head (no head_bits) and the "
+                f"tokenizer's special tokens (vocab >= 509); got mtp_layers={spec.mtp_layers}, "
+                f"head_bits={spec.head_bits}, vocab={spec.vocab}"
+            )
     if spec.hidden % codec.HAD:
         raise ValueError(f"hidden = {spec.hidden} is not a multiple of {codec.HAD} (every EXL3 dimension must be)")
     # Dimensions a tensor-parallel rank holds a slice of: column-parallel outputs and the
