@@ -231,6 +231,7 @@ for stage in "$@"; do
   { case "$name" in
     server) suite server tests/gpu/test_server.py "$arg" 0 ;;
     moe) suite moe tests/gpu/test_moe_server.py "$arg" 100 ;;
+    mtp) suite mtp tests/gpu/test_mtp_server.py "$arg" 500 ;;
     upstream) suite upstream tests/upstream "" 200 ;;
     state-dtype) state_dtype "$arg" ;;
     compare) compare "${arg:-qwen3.6-35b-a3b-full}" ;;
