@@ -30,6 +30,8 @@ def no_pinned_memory(monkeypatch):
 
     if hasattr(torch_utils, "PIN_MEMORY"):
         monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+
+
 PROMPT = [3, 1, 4, 1, 5, 7]
 VOCAB, HIDDEN = 8, 4
 
@@ -122,3 +124,27 @@ def test_bookkeeping_first_computes_once(overlay):
     with pytest.raises(AttributeError):
         runner.propose_draft_token_ids(step, None, None, hidden, None, None, None, None, None)
     assert "_hybrid_exl3_fixes_prompt_logprobs" not in runner.__dict__
+
+
+def test_the_upstream_diff_computes_them_first(aphrodite_copy):
+    """patches/0015 on the lane's 0.24.1 sources: the probe then finds nothing to fix (UPSTREAM_FIXED)."""
+    import subprocess
+
+    from helpers import APHRODITE_VERSION, ROOT, subprocess_env
+
+    if APHRODITE_VERSION != "0.24.1":
+        pytest.skip(f"0015 applies to 0.24.1; this lane has {APHRODITE_VERSION}")
+    patch = ROOT / "patches" / "0015-mtp-prompt-logprobs-graph-pool.patch"
+    applied = subprocess.run(["git", "apply", str(patch)], cwd=aphrodite_copy, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    probe = (
+        "from aphrodite.v1.worker.gpu_model_runner import GPUModelRunner as R; "
+        "from hybrid_exl3_fixes.aphrodite.v1.worker.gpu_model_runner import drafter_runs_first as f; "
+        "print(f(R.sample_tokens, R._bookkeeping_sync))"
+    )
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=subprocess_env(aphrodite_copy), capture_output=True, text=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]

@@ -346,6 +346,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "UPSTREAM_FIXED",
         "P14": "APPLIED",  # 0014 is a csrc diff: the copy still loads the unpatched compiled kernels
+        "P15": "APPLIED",  # 0015 applies to 0.24.1, where tests/unit/test_p15_gpu_model_runner.py reads it
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(
