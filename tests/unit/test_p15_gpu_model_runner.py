@@ -25,11 +25,15 @@ pytestmark = needs_aphrodite
 def no_pinned_memory(monkeypatch):
     """0.22+ copy the prompt's ids with ``async_tensor_h2d``, which pins host memory when ``PIN_MEMORY``; on a host
     without an accelerator aphrodite's UnspecifiedPlatform still answers True and pinning raises. The value a
-    CPU-only host should have (CpuPlatform's) is False."""
-    from aphrodite.utils import torch_utils
+    CPU-only host should have (CpuPlatform's) is False, in every module holding a copy."""
+    import sys
 
-    if hasattr(torch_utils, "PIN_MEMORY"):
-        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+    import aphrodite.v1.outputs  # noqa: F401 - holds a copy of the constant
+    import aphrodite.v1.worker.gpu_model_runner  # noqa: F401
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("aphrodite.") and getattr(module, "PIN_MEMORY", None) is True:
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
 
 
 PROMPT = [3, 1, 4, 1, 5, 7]

@@ -162,7 +162,9 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P13"].status.value == "NOT_APPLICABLE" and "opt-in" in results["P13"].reason
     # P14: 0.22+ load the MoE kernels built from csrc/libtorch_stable, which align every active LoRA slot
     assert results["P14"].status.value == "UPSTREAM_FIXED", results["P14"].reason
-    applied = 7 + padding_ids + skips_idle
+    # P15 on every release (the GPU drafter runs before the prompt logprobs are read)
+    assert results["P15"].status.value == "APPLIED", results["P15"].reason
+    applied = 8 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
@@ -186,13 +188,13 @@ def test_undo_is_last_in_first_out(overlay):
 
 @needs_aphrodite  # the registry applies nothing where aphrodite is not installed (NOT_APPLICABLE)
 def test_the_patches_that_check_a_tag_after_apply_say_so():
-    """P3, P8, P9, P10, P12, P13 and P14 recognise themselves after apply by the tag on the replaced function (their
-    bug is in a GPU kernel's inputs); their APPLIED result says that the check read a tag, not behaviour."""
+    """P3, P8, P9, P10, P12, P13, P14 and P15 recognise themselves after apply by the tag on the replaced function (their
+    bug is in a GPU kernel's inputs, P15's in CUDA graph memory); their APPLIED result says that the check read a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13", "P14"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13", "P14", "P15"}
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason
