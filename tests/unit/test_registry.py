@@ -188,13 +188,15 @@ def test_undo_is_last_in_first_out(overlay):
 
 @needs_aphrodite  # the registry applies nothing where aphrodite is not installed (NOT_APPLICABLE)
 def test_the_patches_that_check_a_tag_after_apply_say_so():
-    """P3, P8, P9, P10, P12, P13, P14 and P15 recognise themselves after apply by the tag on the replaced function (their
-    bug is in a GPU kernel's inputs, P15's in CUDA graph memory); their APPLIED result says that the check read a tag, not behaviour."""
+    """P3, P8, P9, P10, P12, P13, P14 and P15 recognise themselves after apply by the tag on the replaced function
+    (their bug is in a GPU kernel's inputs, P15's in CUDA graph memory); their APPLIED result says that the check read
+    a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == {"P3", "P8", "P9", "P10", "P12", "P13", "P14", "P15"}
+    tagged = {"P3", "P8", "P9", "P10", "P12", "P13", "P14", "P15"}
+    assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == tagged
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)
     assert result.status.value == "APPLIED" and "checked after apply by its tag, not by behaviour" in result.reason
