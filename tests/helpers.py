@@ -64,6 +64,7 @@ VERSION_INDEPENDENT = (
     "test_fetch_wheel.py",
     "test_memory_arithmetic.py",
     "test_memory_profile.py",
+    "test_mtp_acceptance.py",
     "test_packaging.py",
     "test_roofline.py",
     "test_server_suite.py",
