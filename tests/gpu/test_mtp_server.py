@@ -29,7 +29,9 @@ import json
 import os
 from pathlib import Path
 
+import openai
 import pytest
+from test_moe_server import aphrodite_minor
 from test_server import (
     COMPLETION_EXTRA,
     TOLERANCE,
@@ -150,7 +152,7 @@ def spec_counters(server) -> dict:
         if key == "accepted_tokens_per_pos":
             pos = int(name.split('position="')[1].split('"')[0])
             found["per_pos"][pos] = found["per_pos"].get(pos, 0.0) + float(value)
-        elif not name.endswith("_created"):
+        elif not key.endswith("_created"):
             found[key] = found.get(key, 0.0) + float(value)
     return found
 
@@ -207,11 +209,21 @@ def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
     reference = mtp_references(name)
     kept, failed, rows = {}, [], {}
     models = [None, *adapters]
+    control = "P15" in info["env"]
     for model in models:
-        answers = [complete(server, model or SERVED, ids) for ids in prompts(3, 1)]
+        answers, errors = [], []
+        for ids in prompts(3, 1):
+            try:
+                answers.append(complete(server, model or SERVED, ids))
+            except openai.APIStatusError as exc:  # a -noP15 control's NaN prompt logprobs: HTTP 400
+                if not control:
+                    raise
+                errors.append(f"{exc.status_code}: {exc.message}"[:200])
         kept.update({(model, i): a["ids"] for i, a in enumerate(answers)})
         rows[model] = [check(reference, model, a) for a in answers]
-        info[f"alone {model or 'base'}"] = worst(rows[model])
+        info[f"alone {model or 'base'}"] = {**(worst(rows[model]) if answers else {}), "failed": len(errors)}
+        if errors:
+            info[f"alone {model or 'base'}"]["first_failure"] = errors[0]
         record(f"mtp {cell}", **info)
     mix = [models[i % len(models)] for i in range(16)]
     results = asyncio.run(at_once(server, [(m or SERVED, ids) for m, ids in zip(mix, prompts(16, 2))], 8, True))
@@ -233,8 +245,12 @@ def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
     asked = {**dict(enumerate(prompts(3, 1))), **{100 + i: p for i, p in enumerate(prompts(16, 2))}}
     SERVED_IDS[cell] = {"ids": kept, "prompts": asked}
     server.stop()
-    if "P15" in info["env"]:
-        return  # the control: what it served is recorded; test_p15_without_it says what it must show
+    if control:  # without P15 the prompt logprobs are read after the drafter (0.21.0, run 32: HTTP 400 NaN)
+        failures = len(failed) + sum(v.get("failed", 0) for k, v in info.items() if k.startswith("alone "))
+        wrong = failures or (info["max_abs_dlogprob"] or 0) > TOLERANCE
+        if aphrodite_minor() <= (0, 21):
+            assert wrong, f"{cell} served right without P15: {info}"
+        return
     assert not failed, failed[:3]
     assert info["max_abs_dlogprob"] < TOLERANCE, info
 
