@@ -84,8 +84,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P13": "NOT_APPLICABLE",
             "P11": "APPLIED",
             "P14": "APPLIED",
+            "P15": "APPLIED",
         }
-        applied = 8 if APHRODITE_VERSION == "0.20.0" else 9
+        applied = 9 if APHRODITE_VERSION == "0.20.0" else 10
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
         summary = f"hybrid-exl3-fixes: applied={applied} upstream_fixed={upstream_fixed} drifted=0"
         assert summary in proc.stdout + proc.stderr
@@ -103,6 +104,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P12"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MID_BATCH=1)
         assert out["results"]["P13"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1)
         assert out["results"]["P14"] == "UPSTREAM_FIXED"  # 0.22+ load the libtorch_stable MoE kernels
+    assert out["results"]["P15"] == "APPLIED"  # prompt logprobs before the GPU drafter, every release
     assert out["answer"] == "[(0, 1, 2)]"
 
 

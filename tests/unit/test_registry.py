@@ -27,6 +27,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P12", "NOT_APPLICABLE"),  # 0.20/0.21 rebuild above 32 rows (test_p12_mid_batch.py)
         ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_custom_ops.py)
+        ("P15", "APPLIED"),  # prompt logprobs before the GPU drafter, every release (test_p15_gpu_model_runner.py)
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -75,7 +76,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P14", "P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
+    assert overlay.undo_all() == ["P15", "P14", "P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
         "P5",
         "P4",
         "P2b",
@@ -109,6 +110,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P13": "NOT_APPLICABLE",  # an opt-in
         "P11": "APPLIED",
         "P14": "APPLIED",
+        "P15": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
