@@ -33,11 +33,10 @@ import openai
 import pytest
 from test_moe_server import aphrodite_minor
 from test_server import (
-    COMPLETION_EXTRA,
     TOLERANCE,
-    aclient,
     check,
     complete,
+    gather_completions,
     lora_args,
     prompts,
     shared_args,
@@ -45,7 +44,7 @@ from test_server import (
     worst,
 )
 
-from harness import Reference, served_completion
+from harness import Reference
 
 START_TIMEOUT = float(os.environ.get("HXF_SERVER_START_TIMEOUT", "1500"))
 BASE_PORT = 8300 + int(os.environ.get("HXF_PORT_OFFSET", "0"))
@@ -157,20 +156,16 @@ def spec_counters(server) -> dict:
     return found
 
 
-async def at_once(server, jobs, max_tokens: int, prompt_logprobs: bool) -> list:
-    api = aclient(server)
-    extra = dict(COMPLETION_EXTRA, **({"prompt_logprobs": 5} if prompt_logprobs else {}))
-
-    async def one(model, ids):
-        resp = await api.completions.create(
-            model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0, logprobs=5, extra_body=extra
-        )
-        return served_completion(resp.model_dump()["choices"][0])
-
-    try:
-        return await asyncio.gather(*(one(m, ids) for m, ids in jobs), return_exceptions=True)
-    finally:
-        await api.close()
+def serving(fleet, cell: str, record):
+    """The cell's server once it is up, and its start-up record; skips a cell not selected, fails one that did not
+    start with the engine's own error."""
+    if cell not in fleet:
+        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
+    server = fleet[cell]
+    info = started(server, cell, record)
+    if not info["started"]:
+        raise AssertionError(f"{cell}: {info['root_error']}\n{server.text()[-2000:]}")
+    return server, info
 
 
 def started(server, cell: str, record) -> dict:
@@ -199,12 +194,7 @@ def started(server, cell: str, record) -> dict:
 def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
     """Base and each adapter alone, then 16 mixed at once, prompt and generated logprobs against HF + PEFT; a
     ``-noP15`` cell records what it serves (its expectation is the write-up's, checked in test_p15_without_it)."""
-    if cell not in mtp_fleet:
-        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
-    server = mtp_fleet[cell]
-    info = started(server, cell, record)
-    if not info["started"]:
-        raise AssertionError(f"{cell}: {info['root_error']}\n{server.text()[-2000:]}")
+    server, info = serving(mtp_fleet, cell, record)
     name, adapters, k, _, _ = CELLS[cell]
     reference = mtp_references(name)
     kept, failed, rows = {}, [], {}
@@ -226,7 +216,8 @@ def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
             info[f"alone {model or 'base'}"]["first_failure"] = errors[0]
         record(f"mtp {cell}", **info)
     mix = [models[i % len(models)] for i in range(16)]
-    results = asyncio.run(at_once(server, [(m or SERVED, ids) for m, ids in zip(mix, prompts(16, 2))], 8, True))
+    jobs = [(m or SERVED, ids) for m, ids in zip(mix, prompts(16, 2))]
+    results = asyncio.run(gather_completions(server, jobs, 8, True))
     failed = [repr(r)[:300] for r in results if isinstance(r, Exception)]
     mixed = []
     for i, (m, r) in enumerate(zip(mix, results)):
@@ -301,18 +292,13 @@ def test_acceptance_at_the_chosen_rate(cell, mtp_fleet, mtp_models, mtp_referenc
     points; every 8th request against HF (prompt and generated logprobs)."""
     from hybrid_exl3_fixes.checkpoint.mtpaccept import cycle_and_wrong, expected_acceptance
 
-    if cell not in mtp_fleet:
-        pytest.skip(f"{cell} not selected (HXF_SERVER_CELLS)")
-    server = mtp_fleet[cell]
-    info = started(server, cell, record)
-    if not info["started"]:
-        raise AssertionError(f"{cell}: {info['root_error']}\n{server.text()[-2000:]}")
+    server, info = serving(mtp_fleet, cell, record)
     name, _, k, _, _ = CELLS[cell]
     rate = CHECKPOINTS[name][1]["mtp_acceptance"]
     nxt, _ = cycle_and_wrong(rate, 0)
     before = spec_counters(server)
     jobs = [(SERVED, ids) for ids in prompts(32, 9, 8, 16)]
-    results = asyncio.run(at_once(server, jobs, 96, False))
+    results = asyncio.run(gather_completions(server, jobs, 96, False))
     after = spec_counters(server)
     failed = [repr(r)[:300] for r in results if isinstance(r, Exception)]
     answered = [r for r in results if not isinstance(r, Exception)]
