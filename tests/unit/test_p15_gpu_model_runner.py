@@ -95,7 +95,7 @@ def test_the_release_runs_the_drafter_before_the_prompt_logprobs(overlay):
 
 
 def test_prompt_logprobs_survive_the_drafter(overlay):
-    """Unpatched, the bookkeeping reads what the drafter left (NaN here, as run 32's 0.21.0 servers answered HTTP 400
+    """Unpatched, the bookkeeping reads what the drafter left (NaN here; a server answers such a request with HTTP 400
     "Out of range float values are not JSON compliant: nan"); with P15 it returns what the target computed."""
     assert torch.isnan(one_step(stand_in_runner())).all()
     overlay.apply_all()
