@@ -236,7 +236,7 @@ def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
     asked = {**dict(enumerate(prompts(3, 1))), **{100 + i: p for i, p in enumerate(prompts(16, 2))}}
     SERVED_IDS[cell] = {"ids": kept, "prompts": asked}
     server.stop()
-    if control:  # without P15 the prompt logprobs are read after the drafter (docs/upstream/mtp-prompt-logprobs-graph-pool.md)
+    if control:  # prompt logprobs read after the drafter (docs/upstream/mtp-prompt-logprobs-graph-pool.md)
         failures = len(failed) + sum(v.get("failed", 0) for k, v in info.items() if k.startswith("alone "))
         wrong = failures or (info["max_abs_dlogprob"] or 0) > TOLERANCE
         if aphrodite_minor() <= (0, 21):
