@@ -197,6 +197,12 @@ def hadamard_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(-1, dim)
 
 
+def linear_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """One EXL3 linear's tensors (``trellis``, ``suh``, ``svh``, the codebook marker) out of a checkpoint's state,
+    by its module name ``prefix``, keyed by their own names."""
+    return {name.rsplit(".", 1)[1]: t for name, t in state.items() if name.rsplit(".", 1)[0] == prefix}
+
+
 def dense_weight(
     tensors: dict[str, torch.Tensor], K: int | None = None, device: str | torch.device | None = None
 ) -> torch.Tensor:

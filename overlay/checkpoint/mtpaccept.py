@@ -30,15 +30,19 @@ leads by several nats at every position (checked on the dense twin in tests/unit
 
 from __future__ import annotations
 
-ORDINARY = 500  # tokens 0..499: make-tiny's vocabulary below the special tokens (tinyspec.SPECIAL_TOKENS from 500)
+from .tinyspec import PUBLISHED_TEXT_FIXED, SPECIAL_TOKENS
+
+ORDINARY = min(SPECIAL_TOKENS.values())  # tokens 0..499: make-tiny's vocabulary below its special tokens
 QUIET = 64.0  # every output projection's svh divided by this
 LOGIT = 8.0  # the chosen token's logit, in nats above an unrelated token's (about)
 OUT_PROJECTIONS = ("self_attn.o_proj", "linear_attn.out_proj", "down_proj")
 
 
 def check_rate(rate: float) -> None:
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"mtp_acceptance must be between 0 and 1, got {rate}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise ValueError(f"mtp_acceptance must be a number from 0 to 1, got {rate!r}")
+    if not 0 <= rate <= 1:
+        raise ValueError(f"mtp_acceptance must be from 0 to 1, got {rate}")
 
 
 def cycle_and_wrong(rate: float, seed: int) -> tuple[list[int], list[bool]]:
@@ -84,8 +88,8 @@ def shape(spec, exl3_state: dict, dense_state: dict | None, torch, codec) -> dic
         prefix = key[: -len(".svh")]
         exl3_state[key] = (exl3_state[key].float() / QUIET).to(torch.float16)
         if dense_state is not None and prefix + ".weight" in dense_state:
-            tensors = {n.rsplit(".", 1)[1]: v for n, v in exl3_state.items() if n.rsplit(".", 1)[0] == prefix}
-            dense_state[prefix + ".weight"] = codec.dense_weight(tensors).t().contiguous()
+            weight = codec.dense_weight(codec.linear_tensors(exl3_state, prefix))
+            dense_state[prefix + ".weight"] = weight.t().contiguous()
     emb = torch.randn(spec.vocab, spec.hidden, generator=gen).to(keep)
     exl3_state[emb_key] = emb
     exl3_state[norm_key] = torch.zeros(spec.hidden, dtype=keep)
@@ -98,9 +102,9 @@ def shape(spec, exl3_state: dict, dense_state: dict | None, torch, codec) -> dic
     trunk = torch.nn.functional.normalize(e, dim=-1)
     head = torch.zeros_like(trunk)
     if spec.mtp_layers:
-        fc = {n.rsplit(".", 1)[1]: v for n, v in exl3_state.items() if n.rsplit(".", 1)[0] == "mtp.fc"}
-        w_top = codec.dense_weight(fc)[: spec.hidden]  # y = x @ W; the embedding comes first in the head's concat
-        rms = e.pow(2).mean(-1, keepdim=True).add(spec_eps()).rsqrt()
+        # y = x @ W; the embedding comes first in the head's concat
+        w_top = codec.dense_weight(codec.linear_tensors(exl3_state, "mtp.fc"))[: spec.hidden]
+        rms = e.pow(2).mean(-1, keepdim=True).add(PUBLISHED_TEXT_FIXED["rms_norm_eps"]).rsqrt()
         head = torch.nn.functional.normalize((e * rms) @ w_top, dim=-1)
     rows = torch.zeros(spec.vocab, spec.hidden)
     for t in range(ORDINARY):
@@ -121,8 +125,3 @@ def shape(spec, exl3_state: dict, dense_state: dict | None, torch, codec) -> dic
         "logit": LOGIT,
         "expected": {f"k{k}": expected_acceptance(rate, k) for k in (1, 2, 3)},
     }
-
-
-def spec_eps() -> float:
-    """The RMSNorm epsilon of make-tiny's configs (tinyspec.hf_config's ``rms_norm_eps``)."""
-    return 1e-6

@@ -213,10 +213,9 @@ def _check(spec: TinySpec) -> None:
     if spec.head_bits is not None and spec.vocab % codec.HAD:
         raise ValueError(f"vocab = {spec.vocab} is not a multiple of {codec.HAD}, which an EXL3 head needs")
     if spec.mtp_acceptance is not None:
-        if isinstance(spec.mtp_acceptance, bool) or not isinstance(spec.mtp_acceptance, (int, float)):
-            raise ValueError(f"mtp_acceptance must be a number from 0 to 1, got {spec.mtp_acceptance!r}")
-        if not 0 <= spec.mtp_acceptance <= 1:
-            raise ValueError(f"mtp_acceptance must be from 0 to 1, got {spec.mtp_acceptance}")
+        from .mtpaccept import check_rate
+
+        check_rate(spec.mtp_acceptance)
         if not spec.mtp_layers or spec.head_bits is not None or spec.vocab < 509:
             raise ValueError(
                 "mtp_acceptance needs an MTP head (mtp_layers >= 1), a float16 head (no head_bits) and the "

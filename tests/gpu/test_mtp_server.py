@@ -87,6 +87,11 @@ CELLS = {
 SERVED_IDS: dict[str, dict] = {}  # cell -> {(model, prompt index): greedy ids}, filled by test_mtp_cell
 
 
+def is_control(cell: str) -> bool:
+    """A ``-noP15`` cell: served without P15."""
+    return CELLS[cell][4] == P15_OFF
+
+
 def twin_of(cell: str) -> str | None:
     """The ``-nomtp`` cell with the same checkpoint and flags (None for the acceptance cells: the cycle is theirs)."""
     name, _, k, extra, _ = CELLS[cell]
@@ -193,13 +198,13 @@ def started(server, cell: str, record) -> dict:
 @pytest.mark.parametrize("cell", [c for c in CELLS if not c.startswith("accept")])
 def test_mtp_cell(cell, mtp_fleet, mtp_references, record):
     """Base and each adapter alone, then 16 mixed at once, prompt and generated logprobs against HF + PEFT; a
-    ``-noP15`` cell records what it serves (its expectation is the write-up's, checked in test_p15_without_it)."""
+    ``-noP15`` cell records what it serves and, on 0.20 - 0.21, must show the write-up's corruption."""
     server, info = serving(mtp_fleet, cell, record)
     name, adapters, k, _, _ = CELLS[cell]
     reference = mtp_references(name)
     kept, failed, rows = {}, [], {}
     models = [None, *adapters]
-    control = "P15" in info["env"]
+    control = is_control(cell)
     for model in models:
         answers, errors = [], []
         for ids in prompts(3, 1):
@@ -251,12 +256,7 @@ def test_mtp_is_lossless(record):
     compared = 0
     for cell in CELLS:
         twin = twin_of(cell)
-        if (
-            twin is None
-            or cell not in SERVED_IDS
-            or twin not in SERVED_IDS
-            or "P15" in CELLS[cell][4].get("HYBRID_EXL3_FIXES_DISABLE", "")
-        ):
+        if twin is None or cell not in SERVED_IDS or twin not in SERVED_IDS or is_control(cell):
             continue
         mine, theirs = SERVED_IDS[cell]["ids"], SERVED_IDS[twin]["ids"]
         same = sum(mine[key] == theirs.get(key) for key in mine)
@@ -290,12 +290,13 @@ def test_acceptance_at_the_chosen_rate(cell, mtp_fleet, mtp_models, mtp_referenc
     """32 requests of 96 greedy tokens at once: every token follows the checkpoint's cycle (the trunk's own greedy
     continuation, so MTP changed nothing), and the engine's position-1 acceptance is the chosen rate within 5
     points; every 8th request against HF (prompt and generated logprobs)."""
-    from hybrid_exl3_fixes.checkpoint.mtpaccept import cycle_and_wrong, expected_acceptance
+    from hybrid_exl3_fixes.checkpoint.mtpaccept import cycle_and_wrong
 
     server, info = serving(mtp_fleet, cell, record)
     name, _, k, _, _ = CELLS[cell]
-    rate = CHECKPOINTS[name][1]["mtp_acceptance"]
-    nxt, _ = cycle_and_wrong(rate, 0)
+    manifest = json.loads((mtp_models(name) / "manifest.json").read_text())
+    rate = manifest["mtp_acceptance"]["rate"]
+    nxt, _ = cycle_and_wrong(rate, manifest["spec"]["seed"])
     before = spec_counters(server)
     jobs = [(SERVED, ids) for ids in prompts(32, 9, 8, 16)]
     results = asyncio.run(gather_completions(server, jobs, 96, False))
@@ -315,7 +316,7 @@ def test_acceptance_at_the_chosen_rate(cell, mtp_fleet, mtp_models, mtp_referenc
     sampled = [check(mtp_references(name), None, complete(server, SERVED, jobs[i][1], 16)) for i in range(0, 32, 8)]
     info.update(
         chosen_rate=rate,
-        expected=expected_acceptance(rate, k),
+        expected=manifest["mtp_acceptance"]["expected"][f"k{k}"],
         drafts=drafts,
         per_position_acceptance=per_pos,
         mean_accepted=round(accepted / drafts, 4) if drafts else None,
@@ -328,23 +329,3 @@ def test_acceptance_at_the_chosen_rate(cell, mtp_fleet, mtp_models, mtp_referenc
     assert not failed and follows == len(answered) == 32, (failed[:2], follows)
     assert drafts > 0 and abs(per_pos[0] - rate) <= ACCEPT_POINTS, info
     assert info["checked_against_hf"]["max_abs_dlogprob"] < TOLERANCE, info
-
-
-def test_p15_without_it(record):
-    """What the ``-noP15`` controls served: recorded beside their patched twins (the write-up states which release
-    shows the corruption); fails only when no control cell ran."""
-    from conftest import RESULTS
-
-    rows = {c: RESULTS.get(f"mtp {c}") for c in CELLS if "P15" in CELLS[c][4].get("HYBRID_EXL3_FIXES_DISABLE", "")}
-    rows = {c: r for c, r in rows.items() if r}
-    if not rows:
-        pytest.skip("no -noP15 cell selected")
-    summary = {
-        c: {
-            "16 mixed failed": (r.get("16 mixed") or {}).get("failed"),
-            "max_abs_dlogprob": r.get("max_abs_dlogprob"),
-            "patched twin": (RESULTS.get(f"mtp {c.replace('-noP15', '')}") or {}).get("max_abs_dlogprob"),
-        }
-        for c, r in rows.items()
-    }
-    record("mtp P15 controls", **summary)

@@ -40,8 +40,7 @@ def mtp_predictions(folder, model, ids):
     state = load_file(str(folder / "exl3" / "model.safetensors"))
 
     def dense(prefix):
-        tensors = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == prefix}
-        return codec.dense_weight(tensors).t().contiguous()
+        return codec.dense_weight(codec.linear_tensors(state, prefix)).t().contiguous()
 
     text = model.config.text_config
     layer = hf.Qwen3_5DecoderLayer(text, len(text.layer_types) - 1).eval()

@@ -69,10 +69,15 @@ def stand_in_runner():
     return runner
 
 
+def target_hidden_states() -> torch.Tensor:
+    """The target's last hidden states for the prompt's positions (fake input)."""
+    return torch.arange(len(PROMPT) * HIDDEN, dtype=torch.float32).reshape(len(PROMPT), HIDDEN) / 10
+
+
 def one_step(runner) -> torch.Tensor:
     """``sample_tokens``' order for one prefill step: the drafter, then the bookkeeping's prompt logprobs; returns
     the logprobs of the prompt's next tokens as the bookkeeping produced them."""
-    hidden = torch.arange(len(PROMPT) * HIDDEN, dtype=torch.float32).reshape(len(PROMPT), HIDDEN) / 10
+    hidden = target_hidden_states()
     step = types.SimpleNamespace(num_scheduled_tokens={"r": len(PROMPT)}, total_num_scheduled_tokens=len(PROMPT))
     with pytest.raises(AttributeError):  # the original proposer needs a drafter the stand-in lacks
         runner.propose_draft_token_ids(step, None, None, hidden, None, None, None, None, None)
@@ -83,7 +88,7 @@ def one_step(runner) -> torch.Tensor:
 
 def expected() -> torch.Tensor:
     runner = stand_in_runner()
-    hidden = torch.arange(len(PROMPT) * HIDDEN, dtype=torch.float32).reshape(len(PROMPT), HIDDEN) / 10
+    hidden = target_hidden_states()
     return runner._get_prompt_logprobs_dict(hidden, {"r": len(PROMPT)})["r"].logprobs
 
 
@@ -119,7 +124,7 @@ def test_bookkeeping_first_computes_once(overlay):
     computes, and the drafter's call does not compute again (the function fills and clears chunk state)."""
     overlay.apply_all()
     runner = stand_in_runner()
-    hidden = torch.arange(len(PROMPT) * HIDDEN, dtype=torch.float32).reshape(len(PROMPT), HIDDEN) / 10
+    hidden = target_hidden_states()
     step = types.SimpleNamespace(num_scheduled_tokens={"r": len(PROMPT)}, total_num_scheduled_tokens=len(PROMPT))
     first = runner._get_prompt_logprobs_dict(hidden, step.num_scheduled_tokens)
     assert torch.equal(first["r"].logprobs, expected())

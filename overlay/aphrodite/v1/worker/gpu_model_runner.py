@@ -68,8 +68,8 @@ def drafter_runs_first(sample_tokens: Any, bookkeeping: Any) -> bool:
         sample, book = inspect.getsource(sample_tokens), inspect.getsource(bookkeeping)
     except (OSError, TypeError) as exc:
         raise Drift(f"the runner's sources cannot be read ({exc})") from exc
-    calls = [m.start() for m in re.finditer(re.escape(PADDED_CALL), sample) if not sample[: m.start()].endswith("def ")]
-    draft, bookkeep = (calls[0] if calls else -1), sample.find("self._bookkeeping_sync(")
+    call = re.search(r"(?<!def )" + re.escape(PADDED_CALL), sample)  # the call, not the inner function's def
+    draft, bookkeep = (call.start() if call else -1), sample.find("self._bookkeeping_sync(")
     if draft < 0 or bookkeep < 0:
         raise Drift("sample_tokens no longer calls the padded drafter and _bookkeeping_sync by these names")
     early = sample.find("_get_prompt_logprobs_dict(")
