@@ -17,6 +17,8 @@
 #   serving                bench/run-serving.sh HXF_BENCH_SECONDS (default 900): the 27B-width serving benchmark
 #   mid-batch              bench/exl3_mid_batch.py on RELEASE (0.24: P12's per-kernel times, the 27B's projections at
 #                          1-256 rows, aphrodite's path / the rebuild / a kept float16 weight); best alone on the GPU
+#   moe-kernels            bench/exl3_moe_small_batch.py on RELEASE (P16's per-kernel times: one 35B-A3B MoE layer at
+#                          1-32 tokens, the release's loop / the grouped exl3_moe / P16, beside the roofline); alone
 #   lora-tune              bench/lora_tune.py: LoRA shrink/expand configs tuned for the 27B's projections within
 #                          HXF_TUNE_SECONDS (default 120), in RESULTS/lora-tune (HXF_CMP_LORA_TUNED for compare)
 #   kernels                bench/exl3_kernel_choice.py on RELEASE (0.21: P8's per-kernel times, the 27B's projections
@@ -44,7 +46,8 @@
 #                          variants that do not fit the GPU together), each alternated among itself, one JSON a phase
 #                          (NAME-phaseK.json), HXF_CMP_DEADLINES their deadlines (comma list, seconds from each phase's
 #                          start). NAME-lora-experts: a MoE preset's lora-experts-3d served through P13
-#                          (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1); NAME-nop8: P8 switched off; NAME-p12: P12 opted into
+#                          (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1); NAME-nop8 / NAME-nop16: P8 / P16 switched off;
+#                          NAME-p12: P12 opted into
 #                          (HYBRID_EXL3_FIXES_MID_BATCH=1); NAME-keep: P12 with float16 weights kept
 #                          (HYBRID_EXL3_FIXES_EXL3_KEEP=HXF_CMP_KEEP, default all); -lora-tuned: the adapter with the
 #                          LoRA kernel configs in HXF_CMP_LORA_TUNED, else tuned here first (bench/lora_tune.py, within
@@ -158,6 +161,8 @@ compare() {  # PRESET
         --variant-env "aphrodite-$rel-keep=$env HYBRID_EXL3_FIXES_EXL3_KEEP=${HXF_CMP_KEEP:-all}")
       has "$rel-nop8" && args+=(--variant "aphrodite-$rel-nop8=$common"
         --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
+      has "$rel-nop16" && args+=(--variant "aphrodite-$rel-nop16=$common"
+        --variant-env "aphrodite-$rel-nop16=$env HYBRID_EXL3_FIXES_DISABLE=P16")
     done
     for v in exllamav3 exllamav3-fp32; do  # started by same_run.py once the extension is unpacked
       has "$v" || continue
@@ -241,6 +246,7 @@ for stage in "$@"; do
     exllamav3-build) exllamav3_build ;;
     kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
     mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
+    moe-kernels) python3 bench/exl3_moe_small_batch.py --out "$ROOT/moe-kernels" ;;
     lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
     p13) suite p13 tests/gpu/test_p13_moe_expert_lora.py "" 400 ;;

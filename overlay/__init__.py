@@ -30,6 +30,7 @@ from .aphrodite.model_executor.layers.quantization.exl3 import (
     p10_moe_context,
     p12_mid_batch,
     p13_moe_expert_lora,
+    p16_moe_small_batch,
 )
 from .aphrodite.v1.worker import gpu_model_runner as p15
 from .registry import DISABLE_ENV, Patch, Registry, Result, Status, in_apply_order, logger, patch_number
@@ -72,6 +73,7 @@ PATCHES: list[Patch] = in_apply_order(
             p13_moe_expert_lora,
             p14,
             p15,
+            p16_moe_small_batch,
         )
     ]
 )

@@ -10,6 +10,7 @@ its Why / How / Probe / Upstream / Retire when, and cites its docs/upstream/ pag
 - P9  ``p9_moe_padding``   EXL3 routed experts and the padding rows' expert id -1 (0.23+)
 - P10 ``p10_moe_context``  the fused MoE kernel's device context before CUDA-graph capture (0.24+)
 - P13 ``p13_moe_expert_lora`` LoRA on EXL3 routed experts: a LoRA-capable modular kernel (0.21+, an opt-in)
+- P16 ``p16_moe_small_batch`` EXL3 routed experts at 2 - 32 tokens: one GEMM per projection, not a loop over tokens
 
 What they share is in hybrid_exl3_fixes.shared: no patch module imports another.
 """
