@@ -73,10 +73,10 @@ def kernels(monkeypatch):
 
     generator = torch.Generator().manual_seed(0)
     dense, tables = {}, {}
-    for prefix, shards, (k, n) in (("w13", ("w1", "w3"), (HIDDEN, INTER)), ("w2", ("w2",), (INTER, HIDDEN))):
+    for shards, (k, n) in ((("w1", "w3"), (HIDDEN, INTER)), (("w2",), (INTER, HIDDEN))):
         for shard in shards:
             keys = []
-            for e in range(EXPERTS):
+            for _ in range(EXPERTS):
                 key = len(dense) + 1
                 dense[key] = codec.dense_weight(codec.random_exl3_linear(k, n, K, "mcg", generator, scale=0.05), K)
                 keys.append(key)
@@ -166,7 +166,8 @@ def test_the_release_launches_the_experts_once_per_token(overlay, kernels):
     module = p16()
     assert module.PATCH.probe({module.MOE_SMALL_BATCH.key: overlay.REGISTRY._resolve(module.MOE_SMALL_BATCH)})
     x, ids, weights = batch(4)
-    out = small_batch(exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod), with_gate_up_views(loaded_layer(tables)), x, ids, weights)
+    method = exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod)
+    out = small_batch(method, with_gate_up_views(loaded_layer(tables)), x, ids, weights)
     per_token = 3 if APHRODITE_VERSION == "0.20.0" else 2  # 0.20 has no fused gate-up
     assert reference.mgemm_calls == 4 * per_token
     expected = dense_moe(reference.dense, tables, x, ids, weights)
