@@ -234,7 +234,7 @@ def measure(args) -> dict:
         "paths": list(PATHS),
         "times_us": times,
         "checks": checks,
-        "p16_workspace_bytes": p16.workspace_bytes(args.hidden, args.intermediate, threshold * args.top_k),
+        "p16_call_bytes": p16.call_bytes(threshold, args.top_k, args.hidden, args.intermediate),
     }
 
 
@@ -283,7 +283,8 @@ def report(data: dict) -> str:
         "Largest relative error against the release's loop at 2 - 32 tokens (eager, and a graph replayed on new "
         "routing): "
         + ", ".join(f"{p} {worst[p]:.2e}" for p in data["paths"])
-        + f". P16's buffers: {data['p16_workspace_bytes'] / 2**20:.2f} MiB, once per device and shape.",
+        + f". What one P16 call allocates at {data['shape']['small_batch_threshold']} tokens: "
+        f"{data['p16_call_bytes'] / 2**20:.2f} MiB (freed after the layer).",
     ]
     return "\n".join(lines) + "\n"
 

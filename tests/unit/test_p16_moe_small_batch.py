@@ -197,31 +197,24 @@ def test_p16_launches_each_projection_once_for_every_token(overlay, kernels, row
     assert vars(exl3.Exl3MoEMethod)["_apply_small_batch"] is not live
 
 
-def test_p16_leaves_what_it_cannot_take_to_the_release(overlay, kernels):
-    """More tokens than its buffers hold, or a layer without the release's pointer tables: the original runs."""
+def test_p16_leaves_a_layer_without_the_releases_tables_to_the_release(overlay, kernels):
+    """A layer without the pointer tables _setup_fused_moe_kernel leaves: the original runs."""
     from aphrodite.model_executor.layers.quantization import exl3
 
     overlay.apply_all()
     reference, tables = kernels
     method = exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod)
-    layer = with_gate_up_views(loaded_layer(tables, threshold=2))
-    layer.exl3_small_batch_out = torch.zeros(3, HIDDEN)  # room for the release's own 3-row loop
+    layer = with_gate_up_views(loaded_layer(tables))
+    del layer.exl3_moe_k_down
+    layer.exl3_moe_k_down_tuned = K  # what a release that renamed it would hold; the loop below reads neither
     x, ids, weights = batch(3)
-    small_batch(method, layer, x, ids, weights)
-    per_token = 3 if APHRODITE_VERSION == "0.20.0" else 2
-    assert reference.mgemm_calls == 3 * per_token  # 3 rows > threshold 2: the loop ran
+    with pytest.raises(AttributeError, match="exl3_moe_k_down"):  # the release's own loop, not P16's batch
+        small_batch(method, layer, x, ids, weights)
+    assert reference.mgemm_calls == (2 if APHRODITE_VERSION == "0.20.0" else 1)  # stopped at the first down
 
 
-def test_the_workspace_is_shared_and_sized_for_the_largest_small_batch():
-    module = p16()
-    layer = types.SimpleNamespace(hidden_size=2048, exl3_intermediate_size_per_partition=512,
-                                  exl3_small_batch_threshold=32, top_k=8)  # fmt: skip
-    assert module.slots_of(layer) == 256
-    assert module.workspace_bytes(2048, 512, 256) == 7_081_984  # 6.75 MiB for the 35B-A3B
-    first = module.workspace(layer, torch.device("cpu"))
-    assert module.workspace(types.SimpleNamespace(**vars(layer)), torch.device("cpu")) is first
-    total = sum(t.numel() * t.element_size() for t in first.values())
-    assert total == module.workspace_bytes(2048, 512, 256)
+def test_a_call_at_the_35b_a3b_threshold_takes_under_7_mib():
+    assert p16().call_bytes(32, 8, 2048, 512) == 7_081_984  # 6.75 MiB, freed after the layer
 
 
 def test_the_probe_reads_a_loop_without_one_as_fixed():

@@ -85,8 +85,9 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
             "P11": "APPLIED",
             "P14": "APPLIED",
             "P15": "APPLIED",
+            "P16": "APPLIED",
         }
-        applied = 9 if APHRODITE_VERSION == "0.20.0" else 10
+        applied = 10 if APHRODITE_VERSION == "0.20.0" else 11
         upstream_fixed = 1 if APHRODITE_VERSION == "0.20.0" else 0
         summary = f"hybrid-exl3-fixes: applied={applied} upstream_fixed={upstream_fixed} drifted=0"
         assert summary in proc.stdout + proc.stderr
@@ -105,6 +106,7 @@ def test_aphrodite_load_general_plugins_applies_the_overlay():
         assert out["results"]["P13"] == "NOT_APPLICABLE"  # an opt-in (HYBRID_EXL3_FIXES_MOE_EXPERT_LORA=1)
         assert out["results"]["P14"] == "UPSTREAM_FIXED"  # 0.22+ load the libtorch_stable MoE kernels
     assert out["results"]["P15"] == "APPLIED"  # prompt logprobs before the GPU drafter, every release
+    assert out["results"]["P16"] == "APPLIED"  # the EXL3 MoE small-batch loop over tokens, every release
     assert out["answer"] == "[(0, 1, 2)]"
 
 
@@ -349,6 +351,7 @@ def test_patches_apply_and_fix_the_real_sources(aphrodite_copy):
         "P11": "UPSTREAM_FIXED",
         "P14": "APPLIED",  # 0014 is a csrc diff: the copy still loads the unpatched compiled kernels
         "P15": "APPLIED",  # 0015 applies to 0.24.1, where tests/unit/test_p15_gpu_model_runner.py reads it
+        "P16": "UPSTREAM_FIXED" if APHRODITE_VERSION == "0.21.0" else "APPLIED",  # 0016: 0.21.0 - 0.24.1
     }
     # The upstream-ready tests pass on the patched sources with the overlay switched off.
     proc = subprocess.run(

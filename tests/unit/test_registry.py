@@ -28,6 +28,7 @@ def test_probes_report_the_bugs_and_apply_clears_them(overlay):
         ("P13", "NOT_APPLICABLE"),  # an opt-in (test_p13_moe_expert_lora.py)
         ("P14", "APPLIED"),  # the MoE-LoRA align kernel of 0.20/0.21 (test_p14_custom_ops.py)
         ("P15", "APPLIED"),  # prompt logprobs before the GPU drafter, every release (test_p15_gpu_model_runner.py)
+        ("P16", "APPLIED"),  # the EXL3 MoE small-batch loop over tokens, every release (test_p16_moe_small_batch.py)
     ]
     results = [r for r in results if r.status.value == "APPLIED"]
     # the registry re-probes after patching; here the probes are asked directly as well
@@ -76,7 +77,7 @@ def test_second_apply_changes_nothing_and_undo_restores_originals(overlay):
     assert again == {"already patched in this process"}
     assert all(current()[k] is first[k] for k in first)
 
-    assert overlay.undo_all() == ["P15", "P14", "P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
+    assert overlay.undo_all() == ["P16", "P15", "P14", "P11", "P7"] + (["P6"] if APHRODITE_VERSION != "0.20.0" else []) + [
         "P5",
         "P4",
         "P2b",
@@ -111,6 +112,7 @@ def test_disable_switch(overlay, monkeypatch):
         "P11": "APPLIED",
         "P14": "APPLIED",
         "P15": "APPLIED",
+        "P16": "APPLIED",
     }
     assert vars(exl3.Exl3LinearMethod)["_shard_ids_for_layer"] is original
     overlay.undo_all()
@@ -166,7 +168,9 @@ def test_fixed_release_is_left_alone(overlay):
     assert results["P14"].status.value == "UPSTREAM_FIXED", results["P14"].reason
     # P15 on every release (the GPU drafter runs before the prompt logprobs are read)
     assert results["P15"].status.value == "APPLIED", results["P15"].reason
-    applied = 8 + padding_ids + skips_idle
+    # P16 on every release (the small-batch path loops over the tokens)
+    assert results["P16"].status.value == "APPLIED", results["P16"].reason
+    applied = 9 + padding_ids + skips_idle
     assert f"hybrid-exl3-fixes: applied={applied} upstream_fixed=2 drifted=0" in overlay.summary(list(results.values()))
     assert f"(aphrodite {APHRODITE_VERSION})" in overlay.summary(list(results.values()))
 
@@ -190,14 +194,14 @@ def test_undo_is_last_in_first_out(overlay):
 
 @needs_aphrodite  # the registry applies nothing where aphrodite is not installed (NOT_APPLICABLE)
 def test_the_patches_that_check_a_tag_after_apply_say_so():
-    """P3, P8, P9, P10, P12, P13, P14 and P15 recognise themselves after apply by the tag on the replaced function
+    """P3, P8, P9, P10, P12, P13, P14, P15 and P16 recognise themselves after apply by the tag on the replaced function
     (their bug is in a GPU kernel's inputs, P15's in CUDA graph memory); their APPLIED result says that the check read
     a tag, not behaviour."""
     import hybrid_exl3_fixes as overlay
     from helpers import stand_in_patch
     from hybrid_exl3_fixes.registry import Registry
 
-    tagged = {"P3", "P8", "P9", "P10", "P12", "P13", "P14", "P15"}
+    tagged = {"P3", "P8", "P9", "P10", "P12", "P13", "P14", "P15", "P16"}
     assert {p.id for p in overlay.PATCHES if p.checks_tag_after_apply} == tagged
     patch, _ = stand_in_patch(globals(), "TagOwner", id="PT", checks_tag_after_apply=True)
     result = Registry([patch]).apply(patch)

@@ -14,10 +14,10 @@ How:     ``ops.exl3_mgemm`` already takes one input row per matrix slot (``A[j] 
          every token's experts go into one call per projection: the N x top_k slots get their token's row (one
          copy), gate and up in one call where the release fuses them (``make_gate_up_indices`` over all slots) or
          two, ``silu_mul``, down without router weights (each slot's result kept), then the router-weighted sum
-         of each token's slots in float32. Three or four kernels and two small ones a layer, whatever N. The
-         buffers (6.8 MiB for the 35B-A3B's 32 x 8 slots) are allocated once per device and shape and shared by
-         every layer: the layers of a forward run one after another on one stream. Rows beyond the slots the
-         buffers hold, and a layer without the release's pointer tables, go to the original.
+         of each token's slots in float32. Three or four kernels and two small ones a layer, whatever N; their
+         buffers (6.8 MiB at the 35B-A3B's 32 x 8 slots) come from the caching allocator per call, as the release's
+         grouped path takes its own (in a CUDA graph: from the graph's pool). A layer without the release's pointer
+         tables goes to the original.
 Probe:   the live ``_apply_small_batch`` (its source, read with ``inspect``) calls ``exl3_mgemm`` inside a ``for``
          loop; NOT_APPLICABLE where the release has no such method; after apply, the tag on the replacement.
 Upstream: not reported yet; the upstream-ready diff is patches/0016-exl3-moe-small-batch-per-token.patch.
@@ -48,7 +48,6 @@ LAYER_TABLES = (
     "exl3_moe_k_gate",
     "exl3_moe_k_up",
     "exl3_moe_k_down",
-    "exl3_small_batch_threshold",
 )
 
 
@@ -73,50 +72,19 @@ def probe_moe_small_batch(live: dict[str, Live]) -> bool:
     return loops_over_tokens(function)
 
 
-# (device, hidden, intermediate, slots) -> the shared buffers; see How
-_WORKSPACES: dict[tuple, dict[str, Any]] = {}
-
-
-def slots_of(layer: Any) -> int:
-    """The matrix slots the largest small batch needs: threshold rows x top_k experts."""
-    return int(layer.exl3_small_batch_threshold) * int(layer.top_k)
-
-
-def workspace_bytes(hidden: int, intermediate: int, slots: int) -> int:
-    """What the shared buffers take (doctor plans it): float16 inputs and their Hadamard scratch for 2 x slots,
-    the gate and up outputs (2 x slots x intermediate) and the activation, float32 down outputs, int64 ids."""
-    return (
-        2 * (2 * 2 * slots * hidden + 2 * slots * intermediate + slots * intermediate)
-        + 4 * slots * hidden
-        + 8 * 2 * slots
-    )
-
-
-def workspace(layer: Any, device) -> dict[str, Any]:
-    import torch
-
-    hidden, inter, slots = int(layer.hidden_size), intermediate_size(layer), slots_of(layer)
-    key = (str(device), hidden, inter, slots)
-    buffers = _WORKSPACES.get(key)
-    if buffers is None:
-        half = {"dtype": torch.float16, "device": device}
-        buffers = {
-            "a": torch.zeros((2 * slots, 1, hidden), **half),
-            "a_had": torch.zeros((2 * slots, 1, hidden), **half),
-            "gate_up": torch.zeros((2 * slots, 1, inter), **half),
-            "act": torch.zeros((slots, 1, inter), **half),
-            "down": torch.zeros((slots, 1, hidden), dtype=torch.float32, device=device),
-            "ids": torch.zeros((1, 2 * slots), dtype=torch.long, device=device),
-        }
-        _WORKSPACES[key] = buffers
-    return buffers
-
-
 def intermediate_size(layer: Any) -> int:
     size = getattr(layer, "exl3_intermediate_size_per_partition", None)
     if size is None:  # 0.20: read from the loaded trellis, as _setup_fused_moe_kernel does
         size = layer.w13_trellis.exl3_tensors[(0, "w1")].shape[1] * 16
     return int(size)
+
+
+def call_bytes(rows: int, top_k: int, hidden: int, intermediate: int) -> int:
+    """What one call allocates at most (fused gate-up): the 2 x slots input rows and their Hadamard scratch in float16,
+    gate and up outputs and the activation in float16, the float32 down outputs, the int64 gate-up ids."""
+    slots = rows * top_k
+    float16 = 2 * 2 * slots * hidden + 2 * slots * intermediate + slots * intermediate
+    return 2 * float16 + 4 * slots * hidden + 8 * 2 * slots
 
 
 def batched_small_batch(ops, layer, x_2d, topk_ids, topk_weights, original_dtype, original_shape):
@@ -125,17 +93,16 @@ def batched_small_batch(ops, layer, x_2d, topk_ids, topk_weights, original_dtype
 
     rows, top_k = topk_ids.shape
     slots, hidden = rows * top_k, int(layer.hidden_size)
-    buffers = workspace(layer, x_2d.device)
     fused = bool(getattr(layer, "exl3_fuse_gate_up", False)) and hasattr(ops, "make_gate_up_indices")
     copies = 2 if fused else 1  # the fused call reads one input row per gate slot and per up slot
-    a = buffers["a"][: copies * slots]
-    a.view(copies, rows, top_k, hidden).copy_(x_2d.view(1, rows, 1, hidden).expand(copies, rows, top_k, hidden))
-    a_had = buffers["a_had"][: copies * slots]
+    half = {"dtype": torch.float16, "device": x_2d.device}
+    a = x_2d.view(1, rows, 1, hidden).expand(copies, rows, top_k, hidden).reshape(copies * slots, 1, hidden)
+    a_had = torch.empty_like(a)
     ids = topk_ids.reshape(1, slots)
-    gate_up = buffers["gate_up"][: 2 * slots]
+    gate_up = torch.empty((2 * slots, 1, intermediate_size(layer)), **half)
     gate, up = gate_up[:slots], gate_up[slots:]
     if fused:
-        gate_up_ids = buffers["ids"][:, : 2 * slots]
+        gate_up_ids = torch.empty((1, 2 * slots), dtype=torch.long, device=x_2d.device)
         ops.make_gate_up_indices(gate_up_ids, ids, layer.local_num_experts)
         ops.exl3_mgemm(
             a, layer.exl3_gate_up_ptrs_trellis, gate_up, layer.exl3_gate_up_ptrs_suh, a_had,
@@ -149,12 +116,12 @@ def batched_small_batch(ops, layer, x_2d, topk_ids, topk_weights, original_dtype
                 getattr(layer, f"exl3_{name}_ptrs_svh"), ids, None, k, -1,
                 getattr(layer, f"exl3_{name}_mcg"), getattr(layer, f"exl3_{name}_mul1"), -1, -1, 0,
             )  # fmt: skip
-    act = buffers["act"][:slots]
+    act = torch.empty_like(gate)
     if hasattr(ops, "silu_mul"):
         ops.silu_mul(act, gate, up)
     else:  # 0.20
         act.copy_(torch.nn.functional.silu(gate) * up)
-    down = buffers["down"][:slots]
+    down = torch.empty((slots, 1, hidden), dtype=torch.float32, device=x_2d.device)
     ops.exl3_mgemm(
         act, layer.exl3_down_ptrs_trellis, down, layer.exl3_down_ptrs_suh, act, layer.exl3_down_ptrs_svh, ids,
         None, layer.exl3_moe_k_down, -1, layer.exl3_down_mcg, layer.exl3_down_mul1, -1, -1, 0,
@@ -171,11 +138,7 @@ def build_moe_small_batch(live: dict[str, Live]) -> dict[str, Any]:
     ops = original.__globals__["ops"]  # the release module's own aphrodite._custom_ops
 
     def _apply_small_batch(self, layer, x_2d, topk_ids, topk_weights, original_dtype, original_shape):
-        if (
-            topk_ids.dim() != 2
-            or not all(hasattr(layer, name) for name in LAYER_TABLES)
-            or topk_ids.numel() > slots_of(layer)
-        ):
+        if topk_ids.dim() != 2 or not all(hasattr(layer, name) for name in LAYER_TABLES):
             return original(self, layer, x_2d, topk_ids, topk_weights, original_dtype, original_shape)
         return batched_small_batch(ops, layer, x_2d, topk_ids, topk_weights, original_dtype, original_shape)
 
