@@ -18,7 +18,8 @@
 #   mid-batch              bench/exl3_mid_batch.py on RELEASE (0.24: P12's per-kernel times, the 27B's projections at
 #                          1-256 rows, aphrodite's path / the rebuild / a kept float16 weight); best alone on the GPU
 #   moe-kernels            bench/exl3_moe_small_batch.py on RELEASE (P16's per-kernel times: one 35B-A3B MoE layer at
-#                          1-32 tokens, the release's loop / the grouped exl3_moe / P16, beside the roofline); alone
+#                          1-32 tokens, the release's loop / the grouped exl3_moe / P16, beside the roofline), then
+#                          P16's drop-in test raw and with the overlay; alone
 #   lora-tune              bench/lora_tune.py: LoRA shrink/expand configs tuned for the 27B's projections within
 #                          HXF_TUNE_SECONDS (default 120), in RESULTS/lora-tune (HXF_CMP_LORA_TUNED for compare)
 #   kernels                bench/exl3_kernel_choice.py on RELEASE (0.21: P8's per-kernel times, the 27B's projections
@@ -246,7 +247,12 @@ for stage in "$@"; do
     exllamav3-build) exllamav3_build ;;
     kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
     mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
-    moe-kernels) python3 bench/exl3_moe_small_batch.py --out "$ROOT/moe-kernels" ;;
+    moe-kernels) python3 bench/exl3_moe_small_batch.py --out "$ROOT/moe-kernels"
+      for mode in raw overlay; do  # P16's drop-in: fails on the release as it is, passes with the overlay
+        HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+          tests/upstream/tests/kernels/moe/test_exl3_moe_small_batch.py > "$ROOT/moe-kernels/upstream-$mode.log" 2>&1
+        echo "moe-kernels: drop-in $mode: rc $? ($(tail -1 "$ROOT/moe-kernels/upstream-$mode.log"))"
+      done ;;
     lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
     p13) suite p13 tests/gpu/test_p13_moe_expert_lora.py "" 400 ;;

@@ -20,9 +20,10 @@ def _signs(n, scale, generator):
     return (torch.randint(0, 2, (n,), generator=generator) * 2 - 1).to(torch.float16) * scale
 
 
-def exl3_moe_apply():
-    """``apply(x, topk_weights, topk_ids)`` of ``Exl3MoEMethod`` on that layer, loaded as the engine loads it
-    (``process_weights_after_loading``: the tensors move to the GPU, the fused kernel is set up)."""
+def exl3_moe_apply(experts=EXPERTS, top_k=TOP_K):
+    """``apply(x, topk_weights, topk_ids)`` of ``Exl3MoEMethod`` on that layer (or one of ``experts`` experts,
+    ``top_k`` active, at the same width), loaded as the engine loads it (``process_weights_after_loading``: the
+    tensors move to the GPU, the fused kernel is set up). The function's ``layer`` attribute is the layer."""
     from aphrodite.model_executor.layers.fused_moe.activation import MoEActivation
     from aphrodite.model_executor.layers.quantization.exl3 import Exl3MoEMethod
 
@@ -32,7 +33,7 @@ def exl3_moe_apply():
     for prefix in ("w13", "w2"):
         for attr in ("suh", "svh", "trellis", "mcg", "mul1"):
             setattr(layer, f"{prefix}_{attr}", SimpleNamespace(exl3_tensors={}))
-    for e in range(EXPERTS):
+    for e in range(experts):
         for shard in ("w1", "w3"):
             layer.w13_trellis.exl3_tensors[(e, shard)] = _trellis(HIDDEN, INTERMEDIATE, g)
             layer.w13_suh.exl3_tensors[(e, shard)] = _signs(HIDDEN, 1.0, g)
@@ -43,14 +44,19 @@ def exl3_moe_apply():
         layer.w2_svh.exl3_tensors[(e, "w2")] = _signs(HIDDEN, 0.05, g)
         layer.w2_mcg.exl3_tensors[(e, "w2")] = torch.zeros(1)
     layer.layer_name, layer.exl3_tp_rank, layer.exl3_tp_size = "model.layers.0.mlp.experts", 0, 1
-    layer.local_num_experts, layer.top_k, layer.hidden_size = EXPERTS, TOP_K, HIDDEN
+    layer.local_num_experts, layer.top_k, layer.hidden_size = experts, top_k, HIDDEN
     layer.exl3_intermediate_size_per_partition = INTERMEDIATE
     layer.activation, layer.expert_map, layer.apply_router_weight_on_input = MoEActivation.SILU, None, False
     method = object.__new__(Exl3MoEMethod)
     with torch.cuda.device(device):
         method.process_weights_after_loading(layer)
     extra = (None,) * (len(inspect.signature(Exl3MoEMethod.apply).parameters) - 5)  # shared-expert arguments
-    return lambda x, w, ids: method.apply(layer, x, w, ids, *extra)
+
+    def apply(x, w, ids):
+        return method.apply(layer, x, w, ids, *extra)
+
+    apply.layer = layer
+    return apply
 
 
 def routers_mark_padding() -> bool:
