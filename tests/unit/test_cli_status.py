@@ -33,7 +33,7 @@ def test_an_off_switch_entry_that_names_no_patch_is_a_warning_in_status(tmp_path
     assert proc.returncode == 1
     said = " ".join(proc.stdout.split())
     assert f"WARNING: HYBRID_EXL3_FIXES_DISABLE names no patch: {', '.join(map(repr, unknown))}" in said, said
-    assert "P1,P2,P2b,P3,P4,P5,P6,P7,P8,P9,P10,P11,P12,P13,P14,P15 (separated by commas)" in said
+    assert "P1,P2,P2b,P3,P4,P5,P6,P7,P8,P9,P10,P11,P12,P13,P14,P15,P16 (separated by commas)" in said
 
 
 @pytest.mark.parametrize("value", ["P1,p2b", "exl3-gemm-codebook-cache", "1", "all", "0"])

@@ -416,13 +416,31 @@ def test_every_flag_has_help():
 
 
 def test_status_lists_patches_by_number():
-    """status prints P1 .. P15 in number order, though the registry applies P9 before P7 (P7 wraps it)."""
+    """status prints P1 .. P16 in number order, though the registry applies P9 before P7 (P7 wraps it)."""
     import hybrid_exl3_fixes as overlay
     from hybrid_exl3_fixes.registry import patch_number
 
     ids = [p.id for p in overlay.PATCHES]
     assert ids.index("P9") < ids.index("P7")  # the apply order (Patch.after)
-    expected = ["P1", "P2", "P2b", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "P14", "P15"]
+    expected = [
+        "P1",
+        "P2",
+        "P2b",
+        "P3",
+        "P4",
+        "P5",
+        "P6",
+        "P7",
+        "P8",
+        "P9",
+        "P10",
+        "P11",
+        "P12",
+        "P13",
+        "P14",
+        "P15",
+        "P16",
+    ]
     assert sorted(ids, key=patch_number) == expected
 
 
