@@ -158,6 +158,6 @@ PATCH = Patch(
     probe=probe_moe_small_batch,
     build=build_moe_small_batch,
     checks_tag_after_apply=True,
-    symptom="EXL3 MoE decode at 2 - 32 requests runs the experts one request at a time (the step grows 1.7 ms a "
-    "request on the 35B-A3B)",
+    symptom="EXL3 MoE decode at 2 - 32 requests runs the experts one request at a time (1.7 ms more a request on "
+    "the 35B-A3B)",
 )
