@@ -57,6 +57,15 @@ def unit_interval(text: str) -> float:
     return value
 
 
+def rates(text: str) -> float | tuple[float, ...]:
+    """argparse type for --mtp-acceptance: one rate from 0 to 1, or up to 4 of them by commas (one token pool
+    each: checkpoint/mtpaccept.py)."""
+    values = tuple(unit_interval(part.strip()) for part in text.split(","))
+    if len(values) > 4:
+        raise argparse.ArgumentTypeError(f"{text}: at most 4 rates")
+    return values[0] if len(values) == 1 else values
+
+
 def mm_limits(text: str) -> dict[str, int]:
     """argparse type for --limit-mm-per-prompt: aphrodite's JSON object of modality -> count, e.g.
     '{"image": 0, "video": 0}' (all zero: the engine runs text-only)."""
@@ -95,12 +104,6 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         )
         return 2
     if args.preset.endswith("-full"):
-        if args.mtp_acceptance is not None:
-            print(
-                "hybrid-exl3-fixes make-tiny: --mtp-acceptance is not written at full depth yet; use a tiny preset",
-                file=sys.stderr,
-            )
-            return 2
         return make_full(args)
     try:
         spec = TinySpec.preset(
@@ -149,9 +152,12 @@ def make_full(args: argparse.Namespace) -> int:
                 ("dtype", args.dtype),
                 ("codebook", args.codebook),
                 ("vision", args.vision),
+                ("mtp_acceptance", args.mtp_acceptance),
             )
             if v is not None
         }
+        if args.mtp_acceptance is not None:  # a known-acceptance head is written exactly (checkpoint/mtpaccept.py)
+            overrides["head_bits"] = None
         spec = full_spec(args.preset, tp=args.tp, **overrides)
         manifest = write_full(args.dir, spec, device=device)
     except ImportError as exc:
@@ -163,11 +169,13 @@ def make_full(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
+    head = f"{spec.head_bits} bits" if spec.head_bits else "float16"
+    head = f"{spec.head_bits} bits" if spec.head_bits else "float16"
     print(
         f"wrote {args.dir}: exl3/ ({len(spec.layer_types)} layers, {len(manifest['exl3_modules'])} EXL3 projections, "
-        f"{spec.bits} bits, head {spec.head_bits} bits, {manifest['weight_bytes'] / 2**30:.2f} GiB in "
+        f"{spec.bits} bits, head {head}, {manifest['weight_bytes'] / 2**30:.2f} GiB in "
         f"{len(spec.layer_types) + 3} shards), lora-a (attention and GDN), lora-mlp (and the MLP; no dense twin at "
-        "full depth)"
+        "full depth)" + (f"; MTP acceptance {spec.mtp_acceptance}" if spec.mtp_acceptance is not None else "")
     )
     return 0
 
@@ -306,10 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--no-dense", action="store_true", help="skip the dense twin (benchmarks never read it)")
     tiny.add_argument(
         "--mtp-acceptance",
-        type=unit_interval,
-        metavar="P",
+        type=rates,
+        metavar="P[,P...]",
         help="an MTP head that agrees with the model's greedy continuation at rate P (0..1), for speculative "
-        "decoding at a known acceptance (docs/make-tiny.md); not with the *-full presets",
+        "decoding at a known acceptance; several rates by commas, one token pool each (docs/make-tiny.md); a "
+        "*-full preset then keeps lm_head float16",
     )
     tiny.add_argument(
         "--vision",

@@ -30,7 +30,7 @@ import json
 import os
 from pathlib import Path
 
-from . import codec
+from . import codec, mtpaccept
 from .tiny import progress, write_staged
 from .tinyfiles import folder_files, write_configs
 from .tinyspec import (
@@ -150,7 +150,14 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
         weight_map.update(dict.fromkeys(state, names[index]))
         total += sum(t.numel() * t.element_size() for t in state.values())
 
-    save(_global_state(spec, cfg, draw), 0)
+    known = spec.mtp_acceptance is not None  # a head at a chosen acceptance (checkpoint/mtpaccept.py)
+    glob = _global_state(spec, cfg, draw)
+    if known:  # its float16 head is written with the MTP head's shard, once mtp.fc is drawn
+        glob.pop("lm_head.weight")
+        glob["model.language_model.embed_tokens.weight"] = emb = mtpaccept.embedding(spec, torch)
+        glob["model.language_model.norm.weight"] = torch.zeros(spec.hidden, dtype=getattr(torch, spec.dtype))
+    save(glob, 0)
+    del glob
     index = 0
     for n, kind in progress(list(enumerate(spec.layer_types)), "layers"):
         state = _layer_state(spec, n, kind, draw)
@@ -161,6 +168,8 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
             else:
                 cb, on, at, index = spec.codebook_for(index), gen, device, index + 1
             state.update({f"{prefix}.{k}": v for k, v in random_exl3(fin, fout, spec.bits, cb, on, torch, at).items()})
+            if known and mtpaccept.is_out_projection(prefix):
+                state[f"{prefix}.svh"] = mtpaccept.quiet(state[f"{prefix}.svh"], torch)
             storage[prefix] = exl3_storage_entry(state, prefix, spec.bits, cb)
         save(state, n + 1)
     head = {}
@@ -170,13 +179,23 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
             for k, v in random_exl3(spec.hidden, spec.vocab, spec.head_bits, "mcg", gen, torch, device).items()
         }
         storage["lm_head"] = exl3_storage_entry(head, "lm_head", spec.head_bits, "mcg")
-    save(head, layers + 1)
+    if not known:
+        save(head, layers + 1)
     # the MTP head in a shard of its own, as exllamav3 quantizes it (tinyspec.mtp_projections)
     state = mtp_state(spec, draw)
     for prefix, fin, fout in mtp_projections(spec):
         cb, on, at = (spec.expert_codebook, expert_gen, "cpu") if ".experts." in prefix else ("mcg", gen, device)
         state.update({f"{prefix}.{k}": v for k, v in random_exl3(fin, fout, spec.mtp_bits, cb, on, torch, at).items()})
+        if known and mtpaccept.is_out_projection(prefix):
+            state[f"{prefix}.svh"] = mtpaccept.quiet(state[f"{prefix}.svh"], torch)
         storage[prefix] = exl3_storage_entry(state, prefix, spec.mtp_bits, cb)
+    shaped = None
+    if known:
+        state.update(mtpaccept.mtp_norms(spec, torch))
+        # y = x @ W; the embedding comes first in the head's concat
+        fc_top = codec.dense_weight(codec.linear_tensors(state, "mtp.fc"))[: spec.hidden]
+        save({"lm_head.weight": mtpaccept.head(spec, emb, fc_top, torch, torch.float16)}, layers + 1)
+        shaped = mtpaccept.manifest_entry(spec)
     save(state, layers + 2)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
@@ -197,6 +216,7 @@ def _write_full(tmp: Path, spec: TinySpec, torch, save_file, device) -> dict:
         **exl3_module_lists(storage),
         "weight_bytes": total,
         "adapters": adapters,
+        **({"mtp_acceptance": shaped} if shaped else {}),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -169,8 +169,9 @@ class TinySpec:
     # dimensions, VISION_TOWERS["published"]: ~0.43 B bfloat16 parameters, for the memory plan's vision rows)
     vision: str = "tiny"
     # an MTP head that agrees with the trunk's greedy continuation at this rate (0..1), the trunk's next token a
-    # fixed function of the current one (checkpoint/mtpaccept.py); None: every tensor random
-    mtp_acceptance: float | None = None
+    # fixed function of the current one (checkpoint/mtpaccept.py); a tuple: one token pool a rate; None: every
+    # tensor random
+    mtp_acceptance: float | tuple[float, ...] | None = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TinySpec:
