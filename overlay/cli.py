@@ -170,7 +170,6 @@ def make_full(args: argparse.Namespace) -> int:
         print(f"hybrid-exl3-fixes make-tiny: {exc}", file=sys.stderr)
         return 2
     head = f"{spec.head_bits} bits" if spec.head_bits else "float16"
-    head = f"{spec.head_bits} bits" if spec.head_bits else "float16"
     print(
         f"wrote {args.dir}: exl3/ ({len(spec.layer_types)} layers, {len(manifest['exl3_modules'])} EXL3 projections, "
         f"{spec.bits} bits, head {head}, {manifest['weight_bytes'] / 2**30:.2f} GiB in "
