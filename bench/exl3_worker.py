@@ -82,14 +82,19 @@ class Exl3Worker:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return text.strip().splitlines()[-1] if text.strip() else ""
 
-    def level(self, n: int, seed: int, output: int, timeout: float = 3600) -> dict:
-        """One level of ``n`` jobs on ``prompts(n, prompt, vocab, seed)``; a worker that has died or does not answer
-        in ``timeout`` seconds gives a row with every job failed."""
+    def level(
+        self, n: int, seed: int, output: int, timeout: float = 3600, pool: tuple[int, int] | None = None, draft: int = 0
+    ) -> dict:
+        """One level of ``n`` jobs on ``prompts(n, prompt, vocab, seed, pool)``, drafting ``draft`` tokens a step (a
+        worker started with ``--mtp``); a worker that has died or does not answer in ``timeout`` seconds gives a row
+        with every job failed."""
         failed = {"concurrency": n, "completed": 0, "failed": n}
         if self.proc is None or self.proc.poll() is not None:
             return {**failed, "first_failure": [f"the exllamav3 worker has exited: {self.root_error()[:200]}"]}
+        ask = {"concurrency": n, "seed": seed, "output": output}
+        ask.update({"pool": list(pool)} if pool else {}, **({"draft": draft} if draft else {}))
         try:
-            self.proc.stdin.write(json.dumps({"concurrency": n, "seed": seed, "output": output}) + "\n")
+            self.proc.stdin.write(json.dumps(ask) + "\n")
             self.proc.stdin.flush()
         except OSError as e:  # it exited between the check and the write
             return {**failed, "first_failure": [f"the exllamav3 worker has exited: {e}"]}

@@ -2,7 +2,7 @@
 
     source ci/exllamav3-env.sh        # on the GPU machine: exllamav3 1.6.5 with its prebuilt extension
     python3 bench/exllamav3_generator.py MODEL_DIR --out FILE.json [--concurrency 1,2,...,256]
-        [--prompt 512 --output 256] [--state-dtype float16|float32] [--deadline SECONDS]
+        [--prompt 512 --output 256] [--state-dtype float16|float32] [--deadline SECONDS] [--mtp K]
     python3 bench/exllamav3_generator.py MODEL_DIR --serve [--concurrency ...]   # bench/same_run.py's variant
 
 At each concurrency N, N jobs of ``--prompt`` random token ids (seeded per level, ``level_seed``: the ids
@@ -17,6 +17,13 @@ each token timed when ``iterate()`` hands it over; exllamav3's own job times bes
 exllamav3's ``Model.warmup`` runs after loading, as its model_init.py does, then one warm-up job. Results are
 written after every N. With ``--serve`` the levels are asked on stdin instead (serve()), one at a time, by
 bench/same_run.py, which alternates them with aphrodite's.
+
+With ``--mtp K`` the checkpoint's MTP head is loaded as the draft model, as exllamav3's model_init.py ``--mtp`` loads
+it (``Model.from_config(config, component="mtp")``, a draft cache of the same size, ``max_history`` max(4, K)), and
+the generator is built for K draft tokens; each level then drafts ``draft`` tokens a step (0 to K: the generator's
+``num_draft_tokens``, 0 its regular generation with the head loaded but not drafting). Each row keeps the
+generator's own accepted and rejected draft tokens (generator/job.py, at EOS) and ``draft_acceptance``, accepted /
+(accepted + rejected).
 """
 
 from __future__ import annotations
@@ -44,9 +51,19 @@ def pages_per_job(prompt: int, output: int, draft: int = 0) -> int:
     return -(-(prompt + output + 1 + draft) // PAGE_SIZE)
 
 
-def cache_tokens(top: int, prompt: int, output: int) -> int:
+def cache_tokens(top: int, prompt: int, output: int, draft: int = 0) -> int:
     """Cache size (tokens, whole pages) that lets ``top`` such jobs be active at once, with one spare page."""
-    return (top * pages_per_job(prompt, output) + 1) * PAGE_SIZE
+    return (top * pages_per_job(prompt, output, draft) + 1) * PAGE_SIZE
+
+
+def draft_figures(done: list[dict]) -> dict:
+    """The generator's own draft counts over a level's jobs (generator/job.py's EOS result)."""
+    accepted = sum(r.get("accepted_draft_tokens", 0) for r in done)
+    rejected = sum(r.get("rejected_draft_tokens", 0) for r in done)
+    if not accepted + rejected:
+        return {}
+    acceptance = round(accepted / (accepted + rejected), 4)
+    return {"draft_accepted": accepted, "draft_rejected": rejected, "draft_acceptance": acceptance}
 
 
 def run_level(generator, Job, sampler, ids: list[list[int]], output: int, torch) -> dict:
@@ -97,6 +114,7 @@ def run_level(generator, Job, sampler, ids: list[list[int]], output: int, torch)
         exl3_decode_tok_s=round(new_tokens / exl3_decode_wall, 1) if exl3_decode_wall > 0 else None,
         exl3_per_request_tok_s=round(statistics.mean(exl3_per_request), 1) if exl3_per_request else None,
         exl3_ttft_mean_s=round(statistics.mean(exl3_ttft), 3) if exl3_ttft else None,
+        **draft_figures(list(done.values())),
     )
     return row
 
@@ -110,8 +128,13 @@ def serve(generator, Job, sampler, vocab: int, prompt: int, torch, stdin=sys.std
         try:
             ask = json.loads(line)
             n, seed, output = int(ask["concurrency"]), int(ask["seed"]), int(ask["output"])
+            draft, pool = int(ask.get("draft", 0)), ask.get("pool")
             if n < 1 or output < 2:
                 raise ValueError("concurrency >= 1 and output >= 2")
+            most = getattr(generator, "max_draft_tokens", 0)
+            if not 0 <= draft <= most:
+                raise ValueError(f"draft {draft}: this generator drafts 0 to {most}")
+            pool = None if pool is None else (int(pool[0]), int(pool[1]))
         except (ValueError, KeyError, TypeError) as e:
             print(
                 "ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}", "line": line[:200]}),
@@ -119,7 +142,11 @@ def serve(generator, Job, sampler, vocab: int, prompt: int, torch, stdin=sys.std
                 flush=True,
             )
             continue
-        row = run_level(generator, Job, sampler, prompts(n, prompt, vocab, seed=seed), output, torch)
+        if hasattr(generator, "num_draft_tokens"):
+            generator.num_draft_tokens = draft  # the draft window of every round (generator.py iterate)
+        row = run_level(generator, Job, sampler, prompts(n, prompt, vocab, seed=seed, pool=pool), output, torch)
+        if draft:
+            row["draft_tokens"] = draft
         print("LEVEL " + json.dumps(row), file=stdout, flush=True)
 
 
@@ -143,6 +170,14 @@ def parser() -> argparse.ArgumentParser:
         help="the GDN recurrent state's storage (exllamav3's Cache recurrent_dtype; its default float16)",
     )
     p.add_argument("--deadline", type=float, default=1e9, help="start no level after this many seconds")
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="load the MTP head as the draft model, the generator built for up to K draft tokens a step (--serve: "
+        "each level asks for 0 to K)",
+    )
     return p
 
 
@@ -161,14 +196,27 @@ def main(argv: list[str] | None = None) -> int:
     from exllamav3 import Cache, Config, Generator, Job, Model, Tokenizer
     from exllamav3.generator.sampler import ArgmaxSampler
 
+    if args.mtp < 0:
+        parser().error("--mtp takes K >= 1 (0: no draft model)")
     config = Config.from_directory(str(args.model_dir))
     model = Model.from_config(config)
     top = max(levels)
     state = {"float16": torch.half, "float32": torch.float}[args.state_dtype]
-    tokens = cache_tokens(top, args.prompt, args.output)
-    cache = Cache(model, max_num_tokens=tokens, max_batch_size=top, recurrent_dtype=state)
+    tokens = cache_tokens(top, args.prompt, args.output, args.mtp)
+    # model_init.py: the speculative headroom of a recurrent model's cache, max(the head's default 4, K)
+    history = max(4, args.mtp) if args.mtp else 0
+    cache = Cache(model, max_num_tokens=tokens, max_batch_size=top, recurrent_dtype=state, max_history=history)
+    draft_model = draft_cache = None
     load_start = time.perf_counter()
-    model.load(device="cuda:0")
+    if args.mtp:  # as model_init.py --mtp: the head as a component model, its cache the same size, loaded first
+        draft_model = Model.from_config(config, component="mtp")
+        draft_cache = Cache(
+            draft_model, max_num_tokens=tokens, max_batch_size=top, recurrent_dtype=state, max_history=history
+        )
+        draft_model.load(device="cuda:0")
+        model.load(device="cuda:0", draft_model=draft_model)
+    else:
+        model.load(device="cuda:0")
     load_s = time.perf_counter() - load_start
     # exllamav3's own first-use costs (Triton compilation and autotuning, the GEMM autotuner per row
     # count up to 64, the graph-captured decode workspaces), paid before a generator is attached, as
@@ -177,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     warm_failed = model.warmup(cache=cache, max_batch_size=min(top, 8))
     warmup_s = time.perf_counter() - warm_start
     tokenizer = Tokenizer.from_config(config)
-    generator = Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=top)
+    drafting = {}
+    if args.mtp:
+        drafting = {"draft_model": draft_model, "draft_cache": draft_cache, "num_draft_tokens": args.mtp}
+    generator = Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=top, **drafting)
     sampler = ArgmaxSampler()
     vocab = json.loads((args.model_dir / "config.json").read_text()).get("text_config", {}).get("vocab_size", 32000)
     out = {"model": str(args.model_dir), "prompt": args.prompt, "output": args.output, "load_s": round(load_s, 1)}
     out.update(warmup_s=round(warmup_s, 1), warmup_failed=list(warm_failed or []))
-    out.update(state_dtype=args.state_dtype, cache_tokens=tokens, max_batch_size=top)
+    out.update(state_dtype=args.state_dtype, cache_tokens=tokens, max_batch_size=top, mtp=args.mtp)
     out["warmup"] = run_level(generator, Job, sampler, prompts(1, args.prompt, vocab, seed=99), 16, torch)
     if args.serve:
         print("READY " + json.dumps(out), flush=True)

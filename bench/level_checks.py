@@ -6,7 +6,8 @@ happening inside it:
 - every request completed, and all N streamed at one moment (level_figures ``active``); for exllamav3 also the
   generator's own count of active jobs (``active_jobs``, exllamav3_generator.run_level) and each job's tokens;
 - aphrodite streamed one chunk a token (``chunks_min`` == ``chunks_max`` == output), so that a token's time is the
-  moment it reached the client;
+  moment it reached the client; with speculative decoding (a step's tokens in one chunk) every request made
+  ``output`` tokens by the engine's own usage count;
 - the engine preempted no request (aphrodite's ``aphrodite:num_preemptions`` counter, read before and after);
 - nothing was compiled inside the level's wall-clock window: no file appeared in a compile cache (Triton, Inductor,
   FlashInfer's JIT, aphrodite's torch.compile cache) and the engine logged no ``Triton kernel JIT compilation during
@@ -27,8 +28,10 @@ JIT_WARNING = re.compile(r"(\d\d:\d\d:\d\d) Triton kernel JIT compilation during
 PREEMPTIONS = re.compile(r"^aphrodite:num_preemptions(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
-def refusals(row: dict, output: int, exllamav3: bool) -> list[str]:
-    """Why ``row`` (one measured level) cannot be reported; empty when it can."""
+def refusals(row: dict, output: int, exllamav3: bool, speculative: bool = False) -> list[str]:
+    """Why ``row`` (one measured level) cannot be reported; empty when it can. A ``speculative`` aphrodite variant
+    streams a step's accepted tokens in one chunk: its requests must make ``output`` tokens by the engine's own
+    count (usage) in at most that many chunks."""
     n, why = row.get("concurrency", 0), []
     if row.get("completed", 0) < n:
         why.append(f"{row.get('completed', 0)} of {n} requests completed")
@@ -39,6 +42,11 @@ def refusals(row: dict, output: int, exllamav3: bool) -> list[str]:
             why.append(f"at most {row['active_jobs']} of {n} jobs active in the generator")
         if row.get("completed") and (row.get("tokens_min"), row.get("tokens_max")) != (output, output):
             why.append(f"jobs made {row.get('tokens_min')}-{row.get('tokens_max')} tokens, not {output}")
+    elif speculative and row.get("completed"):
+        if (row.get("tokens_min"), row.get("tokens_max")) != (output, output):
+            why.append(f"requests made {row.get('tokens_min')}-{row.get('tokens_max')} tokens, not {output}")
+        if not 0 < row.get("chunks_min", 0) <= row.get("chunks_max", 0) <= output:
+            why.append(f"streamed {row.get('chunks_min')}-{row.get('chunks_max')} chunks a request for {output} tokens")
     elif row.get("completed") and (row.get("chunks_min"), row.get("chunks_max")) != (output, output):
         chunks = f"{row.get('chunks_min')}-{row.get('chunks_max')}"
         why.append(f"streamed {chunks} chunks a request, not one a token ({output})")
@@ -52,6 +60,45 @@ def preemptions(metrics: str) -> float | None:
     """aphrodite's preemption counter from a /metrics page (summed over engines), None where it has none."""
     found = PREEMPTIONS.findall(metrics)
     return sum(float(v) for v in found) if found else None
+
+
+def spec_counters(metrics: str) -> dict:
+    """aphrodite's speculative-decoding counters from a /metrics page (v1/spec_decode/metrics.py, summed over
+    engines): ``drafts``, ``draft_tokens``, ``accepted_tokens`` and ``per_pos`` (accepted tokens per draft position);
+    empty without speculative decoding."""
+    found: dict = {}
+    for line in metrics.splitlines():
+        if not line.startswith("aphrodite:spec_decode_num_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name.split("{")[0].removeprefix("aphrodite:spec_decode_num_").removesuffix("_total")
+        if key == "accepted_tokens_per_pos":
+            pos = int(name.split('position="')[1].split('"')[0])
+            per_pos = found.setdefault("per_pos", {})
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+        elif not key.endswith("_created"):
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def spec_figures(before: dict, after: dict) -> dict | None:
+    """One level's speculative figures from the counters before and after it: drafts (steps that drafted), draft
+    tokens, accepted tokens, ``draft_acceptance`` (accepted / draft tokens), ``mean_accepted`` (accepted tokens a
+    drafting step) and ``per_position`` (accepted at each draft position / drafts)."""
+    drafts = after.get("drafts", 0) - before.get("drafts", 0)
+    if not after or drafts <= 0:
+        return None
+    tokens = after.get("draft_tokens", 0) - before.get("draft_tokens", 0)
+    accepted = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
+    was, now = before.get("per_pos", {}), after.get("per_pos", {})
+    return {
+        "drafts": drafts,
+        "draft_tokens": tokens,
+        "accepted_tokens": accepted,
+        "draft_acceptance": round(accepted / tokens, 4) if tokens else None,
+        "mean_accepted": round(accepted / drafts, 4),
+        "per_position": [round((now.get(j, 0) - was.get(j, 0)) / drafts, 4) for j in sorted(now)],
+    }
 
 
 def jit_warnings(log: str) -> list[tuple[str, str]]:

@@ -23,13 +23,16 @@ FORMULA = (
 )
 
 
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """N prompts of random ids, the same for one seed in every driver."""
+def prompts(n: int, length: int, vocab: int, seed: int = 0, pool: tuple[int, int] | None = None) -> list[list[int]]:
+    """N prompts of random ids, the same for one seed in every driver: from ``pool`` (``[lo, hi)``: one token pool of
+    a make-tiny ``--mtp-acceptance`` checkpoint, whose requests then follow that pool's cycle at its rate), else from
+    1000 up to the vocabulary's end."""
     import random
 
     rng = random.Random(seed)
     # ids 1000.. avoid the special and added tokens at the start of Qwen-family vocabularies
-    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(n)]
+    lo, hi = pool if pool is not None else (1000, vocab)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
 def level_seed(concurrency: int, repeat: int = 0) -> int:

@@ -3,7 +3,8 @@
     python3 bench/same_run.py MODEL_DIR --out FILE.json --variant NAME="ENGINE ARGS" --variant ... \
         [--exllamav3 NAME[="GENERATOR ARGS"]] [--variant-env NAME="KEY=VALUE ..."] [--start-after NAME=FILE] \
         [--concurrency 1,8,16,32,64] [--repeats 5] [--prompt 512 --output 256] [--deadline SECONDS] \
-        [--bandwidth-file BANDWIDTH.json] [--watch-dir DIR]... [--no-pause]
+        [--bandwidth-file BANDWIDTH.json] [--watch-dir DIR]... [--no-pause] \
+        [--exllamav3-draft ALIAS=NAME:K]... [--pool NAME=LO:HI]...
 
 Every ``--variant`` is the real `aphrodite run` (tests/gpu/server.py) on MODEL_DIR with the engine's defaults plus
 its own arguments, in the environment ``--variant-env`` gives it (another release's PYTHONPATH and PATH, an overlay
@@ -25,6 +26,16 @@ row keeps the reasons under ``refused`` and the summary leaves it out. The JSON 
 the spread (min, max) of the reported ones per variant and level, each variant's start-up figures (KV tokens,
 concurrency, block size as the engine logged them) and its GDN state dtype, the copy bandwidth measured before the
 engines started (``--bandwidth-file``) and every compile found. Results are written after every level.
+
+Speculative decoding: an aphrodite variant with ``--speculative-config`` streams a step's accepted tokens in one chunk,
+so its requests are checked by the engine's own token count (usage); each of its rows keeps the engine's
+speculative counters over that level (``spec``: drafts, draft tokens, accepted tokens, acceptance per position, read
+from /metrics). An exllamav3 variant started with ``--mtp K`` (its MTP head loaded as the draft model) is measured
+without drafting; each ``--exllamav3-draft ALIAS=NAME:K`` is one more variant measured through NAME's process with
+K draft tokens a step (exllamav3's ``num_draft_tokens``), its rows keeping the generator's own accepted and rejected
+draft tokens. ``--pool NAME=LO:HI`` (repeatable) draws each level's prompt ids from ``[LO, HI)``, one token pool of a
+make-tiny ``--mtp-acceptance`` checkpoint (its requests then follow that pool's cycle at its rate), and runs every
+level once per pool; rows carry ``pool`` and the summary is keyed ``POOL/N``.
 """
 
 from __future__ import annotations
@@ -74,6 +85,68 @@ def exllamav3_variant(text: str) -> tuple[str, list[str]]:
     if not name.strip():
         raise argparse.ArgumentTypeError(f'--exllamav3 takes NAME or NAME="GENERATOR ARGS", got {text!r}')
     return name.strip(), shlex.split(args)
+
+
+def draft_alias(text: str) -> tuple[str, str, int]:
+    alias, sep, rest = text.partition("=")
+    name, _, k = rest.rpartition(":")
+    if not sep or not alias.strip() or not name.strip() or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"--exllamav3-draft takes ALIAS=NAME:K (K >= 1), got {text!r}")
+    return alias.strip(), name.strip(), int(k)
+
+
+def token_pool(text: str) -> tuple[str, tuple[int, int]]:
+    name, sep, span = text.partition("=")
+    lo, _, hi = span.partition(":")
+    if not sep or not name.strip() or not (lo.isdigit() and hi.isdigit()) or int(lo) >= int(hi):
+        raise argparse.ArgumentTypeError(f"--pool takes NAME=LO:HI (integers, LO < HI), got {text!r}")
+    return name.strip(), (int(lo), int(hi))
+
+
+def speculative(args: list[str]) -> bool:
+    return "--speculative-config" in args
+
+
+class DraftAlias:
+    """One more variant through an exllamav3 worker's process (same_run.py ``--exllamav3-draft``): started, paused
+    and stopped with it; its levels ask for ``draft`` tokens a step."""
+
+    def __init__(self, name: str, worker, draft: int):
+        self.name, self.worker, self.draft = name, worker, draft
+        self.command = [*worker.command, f"(levels drafting {draft})"]
+        self.args = [*worker.args, "--draft", str(draft)]
+        self.log = worker.log
+
+    @property
+    def proc(self):
+        return self.worker.proc
+
+    @property
+    def ready_s(self):
+        return self.worker.ready_s
+
+    started = property(lambda self: self.worker.started)
+
+    def start(self) -> None:  # the worker starts itself
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.worker.wait_ready(timeout)
+
+    def startup_figures(self) -> dict:
+        return self.worker.startup_figures()
+
+    def root_error(self) -> str:
+        return self.worker.root_error()
+
+    def warmup(self) -> dict | None:
+        return self.worker.warmup()
+
+    def level(self, n: int, seed: int, output: int, pool=None) -> dict:
+        return self.worker.level(n, seed, output, pool=pool, draft=self.draft)
 
 
 def state_dtype(args: list[str], config: dict, exllamav3: bool) -> str:
@@ -169,6 +242,22 @@ def parser() -> argparse.ArgumentParser:
         help="start variant NAME only once FILE exists (an extension still building), the others meanwhile; FILE "
         "with text in it: leave NAME out, that text its reason",
     )
+    p.add_argument(
+        "--exllamav3-draft",
+        type=draft_alias,
+        action="append",
+        default=[],
+        metavar="ALIAS=NAME:K",
+        help="one more variant: exllamav3 variant NAME's process (started with --mtp) drafting K tokens a step",
+    )
+    p.add_argument(
+        "--pool",
+        type=token_pool,
+        action="append",
+        default=[],
+        metavar="NAME=LO:HI",
+        help="prompt ids from [LO, HI) (a token pool of a --mtp-acceptance checkpoint); every level once per pool",
+    )
     p.add_argument("--concurrency", default="1,32,64,128")
     p.add_argument(
         "--levels",
@@ -229,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
         parser().error(f"{args.model_dir} has no config.json")
-    names = [n for n, _ in args.variant] + [n for n, _ in args.exllamav3]
+    names = [n for n, _ in args.variant] + [n for n, _ in args.exllamav3] + [a for a, _, _ in args.exllamav3_draft]
     if not names:
         parser().error("give at least one --variant or --exllamav3")
     if len(set(names)) != len(names):
@@ -238,6 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     for flag, given in (("--variant-env", envs), ("--start-after", holds), ("--levels", own)):
         if set(given) - set(names):
             parser().error(f"{flag} names no variant: {sorted(set(given) - set(names))}")
+    x3_names = {n for n, _ in args.exllamav3}
+    for alias, base, _ in args.exllamav3_draft:
+        if base not in x3_names:
+            parser().error(f"--exllamav3-draft {alias}: {base} is no --exllamav3 variant")
+        if "--mtp" not in dict(args.exllamav3)[base]:
+            parser().error(f"--exllamav3-draft {alias}: {base} was not started with --mtp K")
+        if alias in holds:
+            parser().error(f"--start-after {alias}: a draft variant starts with {base}")
+    pools = dict(args.pool)
+    if len(pools) != len(args.pool):
+        parser().error("--pool names repeat")
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -282,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         servers[name] = Exl3Worker(
             name, str(args.model_dir), log, envs.get(name, {}), top, args.prompt, args.output, extra
         )
-    is_x3 = {n: isinstance(s, Exl3Worker) for n, s in servers.items()}
+    for alias, base, k in args.exllamav3_draft:
+        servers[alias] = DraftAlias(alias, servers[base], k)
+    is_x3 = {n: isinstance(s, (Exl3Worker, DraftAlias)) for n, s in servers.items()}
+    owner = {n: (s.worker.name if isinstance(s, DraftAlias) else n) for n, s in servers.items()}  # whose process
+    spec = {n: isinstance(s, DraftAlias) or (not is_x3[n] and speculative(s.args)) for n, s in servers.items()}
+    pool_list = list(pools.items()) or [(None, None)]
     cancel = threading.Event()
     waiting = {n: held_start(servers[n], holds[n], t0 + args.start_timeout, cancel) for n in servers if n in holds}
     for name in servers:
@@ -295,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         for n, s in servers.items()
     }
     out["levels"], out["repeats"], out["runs"] = levels, args.repeats, []
+    if pools:
+        out["pools"] = {n: list(span) for n, span in pools.items()}
+    for name, server in servers.items():
+        if isinstance(server, DraftAlias):
+            out["variants"][name].update(draft_tokens=server.draft, process_of=server.worker.name)
+        out["variants"][name]["speculative"] = spec[name]
     out["prompt"], out["output"], out["pause_idle"] = args.prompt, args.output, not args.no_pause
     if bandwidth:
         out["bandwidth"] = bandwidth
@@ -306,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         out["summary"] = {
             n: {
-                str(c): summarise([r for r in out["runs"] if r["variant"] == n and r["concurrency"] == c])
+                (f"{pool}/{c}" if pool else str(c)): summarise(
+                    [r for r in out["runs"] if r["variant"] == n and r["concurrency"] == c and r.get("pool") == pool]
+                )
+                for pool, _ in pool_list
                 for c in levels_of(n)
             }
             for n in servers
@@ -317,10 +431,13 @@ def main(argv: list[str] | None = None) -> int:
         """Stop every live variant but ``name``, resume ``name``: the variants stopped while it runs."""
         if args.no_pause:
             return []
+        me = owner[name]
         for other in live:
-            if other != name and other not in stopped and servers[other].proc is not None:
-                pause.stop(servers[other].proc.pid)
-                stopped.add(other)
+            o = owner[other]
+            if o != me and o not in stopped and servers[o].proc is not None:
+                pause.stop(servers[o].proc.pid)
+                stopped.add(o)
+        name = me
         if name in stopped:
             pause.resume(servers[name].proc.pid)
             stopped.discard(name)
@@ -330,27 +447,33 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.5)
         return sorted(stopped)
 
-    def read_preemptions(name: str) -> float | None:
-        """aphrodite's preemption counter now; its rise since the variant's last level goes to that level's row."""
+    def read_counters(name: str) -> tuple[float | None, dict] | None:
+        """aphrodite's preemption and speculative counters now; their rise since the variant's last level goes to
+        that level's row (``preemptions``; ``spec``, level_checks.spec_figures)."""
         if is_x3[name]:
             return None
         import httpx
 
         try:
-            now = level_checks.preemptions(httpx.get(servers[name].url + "/metrics", timeout=10).text)
+            text = httpx.get(servers[name].url + "/metrics", timeout=10).text
+            now = (level_checks.preemptions(text), level_checks.spec_counters(text))
         except httpx.HTTPError:
-            now = None
+            now = (None, {})
         before, last = preempted.get(name, (None, None))
-        if last is not None and now is not None and before is not None:
-            last["preemptions"] = now - before
+        if last is not None and before is not None:
+            if now[0] is not None and before[0] is not None:
+                last["preemptions"] = now[0] - before[0]
+            if spec[name]:
+                last["spec"] = level_checks.spec_figures(before[1], now[1])
         return now
 
-    def measure(name: str, n: int, seed: int) -> dict:
+    def measure(name: str, n: int, seed: int, pool=None) -> dict:
         server = servers[name]
-        if is_x3[name]:  # the same prompts: the worker draws prompts(n, prompt, vocab, seed)
-            return server.level(n, seed, args.output)
+        if is_x3[name]:  # the same prompts: the worker draws prompts(n, prompt, vocab, seed, pool)
+            return server.level(n, seed, args.output, pool=pool)
         model = request_model(server.name, server.args)
-        return asyncio.run(level(server.url, model, prompts(n, args.prompt, vocab, seed=seed), args.output))
+        ids = prompts(n, args.prompt, vocab, seed=seed, pool=pool)
+        return asyncio.run(level(server.url, model, ids, args.output))
 
     def left() -> float:
         return max(1.0, args.start_timeout - (time.monotonic() - t0))
@@ -358,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     measured_from = None
     try:
         for name, server in servers.items():
+            if isinstance(server, DraftAlias):  # up when its worker is
+                up = out["variants"][server.worker.name].get("started", False)
+                out["variants"][name].update(started=up, ready_s=server.ready_s, **server.startup_figures())
+                if not up:
+                    out["variants"][name]["error"] = f"{server.worker.name} did not start"
+                continue
             if name in waiting:  # its start waited for a file: started, or left out with the file's text
                 thread, outcome = waiting[name]
                 thread.join(left() + 5)  # its own wait ends at the same start deadline
@@ -377,14 +506,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in live:  # every measured shape once, unmeasured, with the measured lengths
             focus(name, live)
             v = out["variants"][name]
+            first_pool = pool_list[0][1]
             if is_x3[name]:
                 v["warmup"] = servers[name].warmup()
             else:
                 model = request_model(name, servers[name].args)
-                v["warmup"] = asyncio.run(level(servers[name].url, model, prompts(1, args.prompt, vocab, 99), 16))
+                ids = prompts(1, args.prompt, vocab, 99, pool=first_pool)
+                v["warmup"] = asyncio.run(level(servers[name].url, model, ids, 16))
             v["warmup_levels"] = []
             for n in levels_of(name):
-                row = measure(name, n, warmup_seed(n))
+                row = measure(name, n, warmup_seed(n), first_pool)
                 v["warmup_levels"].append({k: row.get(k) for k in ("concurrency", "completed", "active", "wall_s")})
             save()
         held = time.monotonic()
@@ -394,20 +525,23 @@ def main(argv: list[str] | None = None) -> int:
         measured_from = time.time()
         for rep in range(args.repeats):
             order = live if rep % 2 == 0 else live[::-1]
-            for n in levels:
-                for name in order:
-                    if n not in levels_of(name):
-                        continue
-                    if time.monotonic() - t0 > args.deadline:
-                        out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name}
-                        return 0
-                    paused = focus(name, live)
-                    before = read_preemptions(name)
-                    row = {"variant": name, "repeat": rep, **measure(name, n, level_seed(n, rep)), "paused": paused}
-                    preempted[name] = (before, row)
-                    out["runs"].append(row)
-                    save()
-                    print(json.dumps(row), flush=True)
+            for p, (pool, span) in enumerate(pool_list):
+                for n in levels:
+                    for name in order:
+                        if n not in levels_of(name):
+                            continue
+                        if time.monotonic() - t0 > args.deadline:
+                            out["stopped"] = {"repeat": rep, "concurrency": n, "variant": name, "pool": pool}
+                            return 0
+                        paused = focus(name, live)
+                        before = read_counters(name)
+                        seed = level_seed(n, rep) + 100_000 * p
+                        row = {"variant": name, "repeat": rep, **({"pool": pool} if pool else {})}
+                        row.update(measure(name, n, seed, span), paused=paused)
+                        preempted[name] = (before, row)
+                        out["runs"].append(row)
+                        save()
+                        print(json.dumps(row), flush=True)
     finally:
         cancel.set()
         for thread, _ in waiting.values():
@@ -418,13 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         if measured_from is not None:
             time.sleep(2)  # the counters lag the last response by a moment
             for name in preempted:
-                read_preemptions(name)
+                read_counters(name)
             logs = {n: s.log.read_text(errors="replace") for n, s in servers.items() if not is_x3[n] and s.log.exists()}
             files = level_checks.new_files(args.watch_dir, measured_from)
             out["compiles"] = level_checks.attribute_compiles(out["runs"], files, logs)
             out["compile_check"] = {"watched": [str(d) for d in args.watch_dir], "jit_monitor_logs": sorted(logs)}
             for row in out["runs"]:
-                row["refused"] = level_checks.refusals(row, args.output, is_x3[row["variant"]])
+                row["refused"] = level_checks.refusals(row, args.output, is_x3[row["variant"]], spec[row["variant"]])
         for server in servers.values():
             server.stop()
         save()

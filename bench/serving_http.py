@@ -47,21 +47,27 @@ async def one(api, model: str, ids: list[int], output: int) -> dict:
         max_tokens=output,
         temperature=0.0,
         stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "min_tokens": output},
     )
+    made = None
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text is not None:
             first = first or now
             last = now
             tokens += 1
-    return {"start": start, "first": first, "last": last, "chunks": tokens}
+        if getattr(chunk, "usage", None) is not None:  # the last chunk: the tokens the engine made
+            made = chunk.usage.completion_tokens
+    return {"start": start, "first": first, "last": last, "chunks": tokens, "tokens": made}
 
 
 async def level(url: str, model: str, ids: list[list[int]], output: int) -> dict:
     """One level: every prompt sent at once, streamed; level_figures.figures by the one formula, and beside them
     what bench/same_run.py checks before it reports the level: each request's streamed chunk count (one token a
-    chunk: ``chunks_min`` == ``chunks_max`` == output, or the per-token times are not the tokens'), the largest
+    chunk: ``chunks_min`` == ``chunks_max`` == output, or the per-token times are not the tokens'; with speculative
+    decoding a chunk holds every token of a step, and the engine's usage counts, ``tokens_min``/``tokens_max``, must
+    be the output), the largest
     number streaming at once (``active``), and the level's wall-clock window (``t_start``, ``t_end``: epoch
     seconds, for matching the engine log's compile warnings)."""
     import openai
@@ -81,6 +87,9 @@ async def level(url: str, model: str, ids: list[list[int]], output: int) -> dict
     row["first_failure"] = failed[:1]
     chunks = [r["chunks"] for r in ok]
     row.update(chunks_min=min(chunks, default=0), chunks_max=max(chunks, default=0))
+    made = [r["tokens"] for r in ok if r.get("tokens") is not None]
+    if made:  # the engine's own count (usage): a speculative step streams several tokens in one chunk
+        row.update(tokens_min=min(made), tokens_max=max(made))
     row.update(t_start=round(t_start, 3), t_end=round(t_end, 3))
     return row
 

@@ -60,7 +60,13 @@
 #                          --levels), HXF_CMP_PROMPT / HXF_CMP_OUTPUT (tokens; 512 / 256), HXF_CMP_AFTER (stages, comma
 #                          list, whose end the measured levels wait for, as HXF_SD_AFTER). Memory: each variant holds
 #                          the weights (the 27B 12 GiB at 3 bits) and its state besides (aphrodite's pool; exllamav3's
-#                          cache, two state rows a slot: 18 GiB at 64 slots in float32 for the 27B)
+#                          cache, two state rows a slot: 18 GiB at 64 slots in float32 for the 27B). MTP (issue 58's
+#                          page, ci/stages/mtp-compare.sh): variants 0.24-mtpK and 0.24-lora-mtpK (K = 1-3: aphrodite
+#                          with --speculative-config method mtp, K tokens; pools HXF_CMP_MTP_KV_BYTES, one per K by
+#                          commas) and exllamav3-fp32-mtpK (one exllamav3 process with its MTP head as the draft model,
+#                          K draft tokens a level; exllamav3-fp32 itself then drafts none); HXF_CMP_ACCEPT writes the
+#                          checkpoint with make-tiny --mtp-acceptance (e.g. 0.63,0.85: one token pool a rate) and
+#                          HXF_CMP_POOLS (NAME=LO:HI by commas) runs every level once per pool (same_run.py --pool)
 # Results under HXF_RUN_OUT (default /tmp/hxf-out/RELEASE)/STAGE/, one log per stage, STAGE.done as soon as it ends.
 # Each run's exact command lines are kept in its record under docs/gpu-runs/. This is the one GPU driver: the
 # per-occasion ci/device-session*.sh scripts that earlier records name were folded into these stages (git history
@@ -118,8 +124,9 @@ state_dtype() {  # PRESET
 compare() {  # PRESET
   local name=$1 bits=() m levels=${HXF_CMP_LEVELS:-1,8,16,32,64} kv=${HXF_CMP_KV_BYTES:-$((12 << 30))} args=()
   [ -z "${HXF_CMP_BITS:-}" ] || bits=(--bits "$HXF_CMP_BITS")
-  m="/tmp/hxf-models/$name${HXF_CMP_BITS:+-${HXF_CMP_BITS}bit}"
-  mk "$m" --preset "$name" "${bits[@]}"
+  m="/tmp/hxf-models/$name${HXF_CMP_BITS:+-${HXF_CMP_BITS}bit}${HXF_CMP_ACCEPT:+-accept}"
+  local accept=(); [ -z "${HXF_CMP_ACCEPT:-}" ] || accept=(--mtp-acceptance "$HXF_CMP_ACCEPT")
+  mk "$m" --preset "$name" "${bits[@]}" "${accept[@]}"
   mkdir -p "$ROOT/compare"
   inputs "$m" "$ROOT/compare"
   # the copy bandwidth of the roofline, on this GPU before any engine holds it (every phase's JSON keeps it)
@@ -164,12 +171,27 @@ compare() {  # PRESET
         --variant-env "aphrodite-$rel-nop8=$env HYBRID_EXL3_FIXES_DISABLE=P8")
       has "$rel-nop16" && args+=(--variant "aphrodite-$rel-nop16=$common"
         --variant-env "aphrodite-$rel-nop16=$env HYBRID_EXL3_FIXES_DISABLE=P16")
+      local k spec mkv
+      for k in 1 2 3; do  # MTP with k speculative tokens, each its own pool (HXF_CMP_MTP_KV_BYTES: one per k)
+        spec="--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":$k}'"
+        IFS=',' read -ra mkv <<< "${HXF_CMP_MTP_KV_BYTES:-$kv,$kv,$kv}"
+        local mc="--gpu-memory-utilization 0.15 --kv-cache-memory-bytes ${mkv[$((k - 1))]:-$kv} --max-num-seqs $seqs"
+        has "$rel-mtp$k" && args+=(--variant "aphrodite-$rel-mtp$k=$mc $spec" --variant-env "aphrodite-$rel-mtp$k=$env")
+        has "$rel-lora-mtp$k" && args+=(--variant "aphrodite-$rel-lora-mtp$k=$mc $lora ${HXF_CMP_LORA_ARGS:-} $spec"
+          --variant-env "aphrodite-$rel-lora-mtp$k=$env")
+      done
     done
     for v in exllamav3 exllamav3-fp32; do  # started by same_run.py once the extension is unpacked
-      has "$v" || continue
-      local state=(); [ "$v" = exllamav3-fp32 ] && state=("=--state-dtype float32")
-      args+=(--exllamav3 "$v${state[*]}" --variant-env "$v=PYTHONPATH=$x3" --start-after "$v=$ready")
+      local drafts=() k
+      for k in 1 2 3; do has "$v-mtp$k" && drafts+=("$k"); done
+      has "$v" || [ ${#drafts[@]} -gt 0 ] || continue
+      local flags=""; [ "$v" = exllamav3-fp32 ] && flags="--state-dtype float32"
+      # its MTP head loaded as the draft model, the generator built for the largest k; NAME itself then drafts none
+      [ ${#drafts[@]} -gt 0 ] && flags="$flags --mtp ${drafts[-1]}"
+      args+=(--exllamav3 "$v${flags:+=$flags}" --variant-env "$v=PYTHONPATH=$x3" --start-after "$v=$ready")
+      for k in "${drafts[@]}"; do args+=(--exllamav3-draft "$v-mtp$k=$v:$k"); done
     done
+    local pool; for pool in ${HXF_CMP_POOLS:+${HXF_CMP_POOLS//,/ }}; do args+=(--pool "$pool"); done
   }
   local ready=/tmp/hxf-exl3-ready x3
   rm -f "$ready"

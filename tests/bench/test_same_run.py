@@ -33,7 +33,8 @@ FAKE_GENERATOR_SCRIPT = textwrap.dedent("""\
     args = sys.argv[1:]
     prompt, output = (int(args[args.index(k) + 1]) for k in ("--prompt", "--output"))
     print("READY " + json.dumps({{"load_s": 1.5, "warmup_s": 2.5, "warmup": {{"completed": 1}}}}), flush=True)
-    real.serve(_Generator(output), _Job, None, 5000, prompt, Torch)
+    mtp = int(args[args.index("--mtp") + 1]) if "--mtp" in args else 0
+    real.serve(_Generator(output, max_draft_tokens=mtp), _Job, None, 5000, prompt, Torch)
 """)
 
 
@@ -231,7 +232,7 @@ def test_exllamav3_jobs_held_back_refuse_the_level(engines):
     model, _, tmp = engines
     script = (exl3_worker.BENCH / "exllamav3_generator.py").read_text()
     (exl3_worker.BENCH / "exllamav3_generator.py").write_text(
-        script.replace("_Generator(output)", "_Generator(output, 2)")
+        script.replace("_Generator(output, ", "_Generator(output, 2, ")
     )
     run = run_one(engines, ["--exllamav3", "exl3"])
     three = next(r for r in run["runs"] if r["concurrency"] == 3)
@@ -292,3 +293,55 @@ def test_bad_sound_arguments_are_refused_in_one_line(engines, capsys, extra, mes
     with pytest.raises(SystemExit) as e:
         same_run.main([str(model), "--out", str(tmp / "r.json"), "--variant", "a=", *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err and not (tmp / "r.json").exists()
+
+
+def test_mtp_variants_pools_and_exllamav3_drafts_through_one_process(engines):
+    """An aphrodite variant with --speculative-config (two tokens a chunk) is checked by its usage count and keeps the
+    engine's speculative counters per level; exllamav3 started with --mtp 2 is measured without drafting and, as
+    ALIAS, drafting 2 tokens a step in the same process (never stopped while its alias runs); every level once per
+    pool, its prompts from that pool."""
+    model, _, tmp = engines
+    out = tmp / "run.json"
+    spec = """'{"method": "mtp", "num_speculative_tokens": 2}'"""
+    argv = [str(model), "--out", str(out), "--variant", "base=", "--variant", f"mtp2=--speculative-config {spec}"]
+    argv += ["--variant-env", "mtp2=FAKE_CHUNK=2", "--exllamav3", "x3=--mtp 2", "--exllamav3-draft", "x3-mtp2=x3:2"]
+    argv += ["--pool", "lo=0:250", "--pool", "hi=250:500", "--concurrency", "1,2", "--repeats", "2"]
+    argv += ["--prompt", "8", "--output", "12", "--port", str(free_port()), "--start-timeout", "60"]
+    assert same_run.main(argv) == 0
+    run = json.loads(out.read_text())
+    v = run["variants"]
+    assert all(v[n]["started"] for n in v) and v["x3-mtp2"]["draft_tokens"] == 2 and v["x3-mtp2"]["process_of"] == "x3"
+    assert (v["mtp2"]["speculative"], v["base"]["speculative"], v["x3-mtp2"]["speculative"]) == (True, False, True)
+    assert run["pools"] == {"lo": [0, 250], "hi": [250, 500]}
+    assert len(run["runs"]) == 2 * 2 * 2 * 4 and {r["pool"] for r in run["runs"]} == {"lo", "hi"}
+    assert not any(r["refused"] for r in run["runs"]), [r["refused"] for r in run["runs"] if r["refused"]]
+    for r in run["runs"]:
+        if r["variant"] == "mtp2":
+            assert r["chunks_max"] == 6 and r["tokens_min"] == 12  # two tokens a chunk, usage counts all 12
+            assert r["spec"]["draft_acceptance"] == 0.5 and r["spec"]["per_position"] == [1.0, 0.0]
+            assert r["spec"]["drafts"] == 6 * r["concurrency"]
+        if r["variant"] == "x3-mtp2":
+            assert r["draft_tokens"] == 2 and r["draft_acceptance"] == round(2 / 3, 4)
+            assert "x3" not in r["paused"]  # its own process runs it
+        if r["variant"] == "x3":
+            assert "draft_acceptance" not in r
+        if r["variant"] == "base":
+            assert "spec" not in r and r["chunks_max"] == 12
+    assert set(run["summary"]["mtp2"]) == {"lo/1", "lo/2", "hi/1", "hi/2"}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exllamav3-draft", "d=nobody:2"], "is no --exllamav3 variant"),
+        (["--exllamav3-draft", "d=x3:0"], "ALIAS=NAME:K"),
+        (["--exllamav3-draft", "d=x3:2", "--exllamav3", "x3"], "was not started with --mtp"),
+        (["--pool", "p=5:3"], "NAME=LO:HI"),
+        (["--pool", "p=0:3", "--pool", "p=3:9"], "--pool names repeat"),
+    ],
+)
+def test_bad_draft_and_pool_arguments_are_refused_in_one_line(engines, capsys, extra, message):
+    model, _, tmp = engines
+    with pytest.raises(SystemExit) as e:
+        same_run.main([str(model), "--out", str(tmp / "r.json"), "--variant", "a=", *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -24,7 +24,9 @@ STREAMING_APHRODITE = textwrap.dedent('''\
     of bench/level_checks.py: FAKE_SERIAL=1 answers one request at a time, FAKE_CHUNK=2 streams two tokens a chunk,
     FAKE_COMPILE_AT=K writes a file into FAKE_COMPILE_DIR and logs a JIT warning at the K-th completion's 9th
     token, FAKE_PREEMPT_AT=K counts a preemption at its 5th; FAKE_TOKEN_S: the time a token takes; FAKE_TICK=1
-    logs `TICK epoch` every 10 ms (a live process's heartbeat: none while it is stopped)."""
+    logs `TICK epoch` every 10 ms (a live process's heartbeat: none while it is stopped). The usage chunk when asked
+    (stream_options.include_usage); with --speculative-config, FAKE_CHUNK tokens a chunk and the speculative
+    counters of steps that drafted num_speculative_tokens each and had FAKE_CHUNK - 1 of them accepted."""
     import http.server, json, os, socketserver, sys, threading, time
     args = sys.argv[1:]
     env = os.environ.get
@@ -34,7 +36,10 @@ STREAMING_APHRODITE = textwrap.dedent('''\
     if "--lora-modules" in args:
         names.add(args[args.index("--lora-modules") + 1].split("=")[0])
     print("INFO 00:00:02 GPU KV cache size: 4,321 tokens", flush=True)
-    serial, state = threading.Lock(), {"posts": 0, "preempted": 0}
+    serial, state = threading.Lock(), {"posts": 0, "preempted": 0, "drafts": 0, "draft": 0, "accepted": 0}
+    k = 0
+    if "--speculative-config" in args:
+        k = json.loads(args[args.index("--speculative-config") + 1])["num_speculative_tokens"]
     if env("FAKE_TICK"):
         def tick():
             while True:
@@ -44,7 +49,15 @@ STREAMING_APHRODITE = textwrap.dedent('''\
         protocol_version = "HTTP/1.1"
         def do_GET(self):
             if self.path == "/metrics":
-                body = f'aphrodite:num_preemptions_total{{engine="0"}} {state["preempted"]}.0\\n'.encode()
+                body = f'aphrodite:num_preemptions_total{{engine="0"}} {state["preempted"]}.0\\n'
+                for key, name in (("drafts", "drafts"), ("draft", "draft_tokens"), ("accepted", "accepted_tokens")):
+                    if k:
+                        body += f'aphrodite:spec_decode_num_{name}_total{{engine="0"}} {state[key]}.0\\n'
+                for j in range(k):
+                    n = state["drafts"] if j < int(env("FAKE_CHUNK", "1")) - 1 else 0
+                    label = f'{{engine="0",position="{j}"}}'
+                    body += f'aphrodite:spec_decode_num_accepted_tokens_per_pos_total{label} {n}.0\\n'
+                body = body.encode()
                 self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers()
                 self.wfile.write(body); return
             self.send_response(200 if self.path == "/health" else 404)
@@ -70,6 +83,13 @@ STREAMING_APHRODITE = textwrap.dedent('''\
                     state["preempted"] += 1
                 chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
                          "choices": [{"index": 0, "text": "a" * per, "finish_reason": None, "logprobs": None}]}
+                if k:
+                    state["drafts"] += 1; state["draft"] += k; state["accepted"] += per - 1
+                self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode()); self.wfile.flush()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 1, "completion_tokens": body["max_tokens"], "total_tokens": 1}
+                chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                         "choices": [], "usage": usage}
                 self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode()); self.wfile.flush()
             self.wfile.write(b"data: [DONE]\\n\\n"); self.wfile.flush()
             if env("FAKE_SERIAL"):
@@ -172,8 +192,11 @@ class _Generator:
     """A stand-in for exllamav3's Generator (fake input): one streaming result per job and step, 1 ms a step, the
     last with eos and the times exllamav3 1.6.5's generator/job.py emits at EOS (durations)."""
 
-    def __init__(self, steps=11, max_active=None):
+    def __init__(self, steps=11, max_active=None, max_draft_tokens=0):
         self.queue, self.steps, self.max_active = [], steps, max_active
+        # a generator built with a draft model (exllamav3_generator.py --mtp): its EOS results count draft tokens as
+        # generator/job.py's do, two accepted and one rejected a drafted token of the window
+        self.max_draft_tokens = self.num_draft_tokens = max_draft_tokens
 
     def enqueue(self, job):
         self.queue.append([job, 0])
@@ -196,14 +219,21 @@ class _Generator:
             r = {"stage": "streaming", "eos": eos, "identifier": job.identifier, "text": "a"}
             if eos:
                 r.update(new_tokens=job.max_new_tokens, time_enqueued=0.5, time_prefill=0.25, time_generate=3.0)
+                if self.max_draft_tokens:
+                    drafted = self.num_draft_tokens
+                    r.update(accepted_draft_tokens=2 * drafted, rejected_draft_tokens=drafted)
             out.append(r)
         self.queue = [e for e in self.queue if e[1] < self.steps]
         return out
 
 
 class _Job:
+    seen: list = []  # every job's prompt ids, for the prompt pool checks
+
     def __init__(self, input_ids, max_new_tokens, sampler, stop_conditions, identifier):
         self.max_new_tokens, self.identifier = max_new_tokens, identifier
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids  # [[ids]], a tensor or the fake's
+        _Job.seen.append(list(ids[0]))
 
 
 def test_exllamav3_generator_times_tokens_as_serving_http_does_and_keeps_its_own_job_times():
@@ -230,6 +260,37 @@ def test_exllamav3_serve_answers_each_asked_level_and_survives_a_bad_line():
     answers = out.getvalue().splitlines()
     assert [a.split(" ")[0] for a in answers] == ["LEVEL", "ERROR", "ERROR", "LEVEL"]
     assert json.loads(answers[0][6:])["completed"] == 3 and json.loads(answers[3][6:])["concurrency"] == 1
+
+
+def test_exllamav3_serve_drafts_as_asked_from_the_asked_pool_and_keeps_its_own_draft_counts():
+    import io
+
+    import torch
+
+    asks = [
+        {"concurrency": 2, "seed": 7, "output": 5, "draft": 2, "pool": [250, 500]},
+        {"concurrency": 1, "seed": 8, "output": 5},
+        {"concurrency": 1, "seed": 9, "output": 5, "draft": 4},
+    ]
+    out = io.StringIO()
+    _Job.seen.clear()
+    generator = _Generator(4, max_draft_tokens=3)
+    stdin = io.StringIO("".join(json.dumps(a) + "\n" for a in asks))
+    exllamav3_generator.serve(generator, _Job, None, 5000, 16, torch, stdin, out)
+    answers = out.getvalue().splitlines()
+    assert [a.split(" ")[0] for a in answers] == ["LEVEL", "LEVEL", "ERROR"]  # 4 > the 3 it was built for
+    drafted, plain = (json.loads(a[6:]) for a in answers[:2])
+    assert drafted["draft_tokens"] == 2 and drafted["draft_acceptance"] == round(2 / 3, 4)
+    assert drafted["draft_accepted"] == 8 and drafted["draft_rejected"] == 4  # two jobs
+    assert "draft_tokens" not in plain and "draft_acceptance" not in plain and generator.num_draft_tokens == 0
+    assert all(250 <= t < 500 for ids in _Job.seen[:2] for t in ids) and len(_Job.seen[0]) == 16
+    assert any(t >= 1000 for t in _Job.seen[2])  # no pool: the ids above the special tokens
+
+
+def test_prompts_from_a_pool_stay_in_it_and_are_the_same_in_every_driver():
+    a = serving_http.prompts(3, 20, 5000, seed=4, pool=(0, 250))
+    assert a == exllamav3_generator.prompts(3, 20, 5000, seed=4, pool=(0, 250))
+    assert all(0 <= t < 250 for p in a for t in p) and a != serving_http.prompts(3, 20, 5000, seed=4)
 
 
 def test_both_drivers_send_the_same_prompts():

@@ -143,22 +143,12 @@ def mtp_references(mtp_models):
 
 
 def spec_counters(server) -> dict:
-    """aphrodite's speculative-decoding counters (v1/spec_decode/metrics.py): drafts, draft tokens, accepted tokens,
-    and accepted tokens per draft position."""
+    """aphrodite's speculative-decoding counters (bench/level_checks.spec_counters): drafts, draft tokens, accepted
+    tokens, and accepted tokens per draft position."""
     import httpx
+    import level_checks  # bench/, on the path through server.py
 
-    found = {"per_pos": {}}
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if not line.startswith("aphrodite:spec_decode_num_"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        key = name.split("{")[0].removeprefix("aphrodite:spec_decode_num_").removesuffix("_total")
-        if key == "accepted_tokens_per_pos":
-            pos = int(name.split('position="')[1].split('"')[0])
-            found["per_pos"][pos] = found["per_pos"].get(pos, 0.0) + float(value)
-        elif not key.endswith("_created"):
-            found[key] = found.get(key, 0.0) + float(value)
-    return found
+    return {"per_pos": {}, **level_checks.spec_counters(httpx.get(server.url + "/metrics", timeout=30).text)}
 
 
 def serving(fleet, cell: str, record):
