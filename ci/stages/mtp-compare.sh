@@ -20,7 +20,7 @@ if [ "${mem:-0}" -ge 135000 ]; then
   deadlines=${HXF_MC_DEADLINES:-640,380}
 else
   phases="0.24,0.24-mtp1,${x3}1;0.24-mtp2,0.24-mtp3,${x3}2,${x3}3;0.24-lora,0.24-lora-mtp2,${x3}2"
-  deadlines=${HXF_MC_DEADLINES:-600,420,340}
+  deadlines=${HXF_MC_DEADLINES:-540,380,300}
 fi
 echo "== mtp-compare: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${mem:-?} MiB: phases $phases"
 export HXF_CMP_PHASES="$phases" HXF_CMP_DEADLINES="$deadlines" HXF_CMP_LEVELS=1,4,8 HXF_CMP_SEQS=8
