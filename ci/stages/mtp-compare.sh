@@ -10,12 +10,15 @@
 # aphrodite variants a phase with exllamav3, three phases (each aphrodite variant alternated with exllamav3 at its own
 # draft size in its phase; exllamav3 without drafting in every phase, the anchor between them; the adapter's phase
 # last, so that a short budget cuts it first). Settings: HXF_MC_OUTPUT (tokens, 64), HXF_MC_REPEATS (5),
-# HXF_MC_DEADLINES (seconds from each phase's start after which no level starts).
+# HXF_MC_DEADLINES (seconds from each phase's start after which no level starts), HXF_MC_PHASES (the phases, as
+# HXF_CMP_PHASES: a shorter set where the device budget is short).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 x3="exllamav3-fp32-mtp"
-if [ "${mem:-0}" -ge 135000 ]; then
+if [ -n "${HXF_MC_PHASES:-}" ]; then
+  phases=$HXF_MC_PHASES deadlines=${HXF_MC_DEADLINES:-600}
+elif [ "${mem:-0}" -ge 135000 ]; then
   phases="0.24,0.24-mtp1,0.24-mtp2,0.24-mtp3,${x3}1,${x3}2,${x3}3;0.24-lora,0.24-lora-mtp2,${x3}2"
   deadlines=${HXF_MC_DEADLINES:-640,380}
 else
