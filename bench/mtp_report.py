@@ -126,7 +126,9 @@ def table(phases: list[dict], rates: dict) -> list[dict]:
                 ratios = paired(speed, name, ref) if ref else []
                 row["exllamav3"] = ref
                 row["over_exllamav3"] = round(statistics.median(ratios), 3) if ratios else None
-                row["over_exllamav3_min"], row["over_exllamav3_max"] = (ratios[0], ratios[-1]) if ratios else (None, None)
+                row["over_exllamav3_min"], row["over_exllamav3_max"] = (
+                    (ratios[0], ratios[-1]) if ratios else (None, None)
+                )
                 base = base_of.get(engine(name, v))
                 gains = paired(speed, name, base) if base and k else []
                 row["over_no_mtp"] = round(statistics.median(gains), 3) if gains else None
@@ -153,13 +155,18 @@ def markdown(phases: list[dict], rows: list[dict], rates: dict, title: str) -> l
         for name, v in run["variants"].items():
             note = (v.get("error") or "")[:160].replace("|", "/")
             ready = v.get("ready_s") if v.get("started") else "did not start"
-            md.append(f"| {p} | {name} | {engine(name, v)} | {draft_size(v)} | {v.get('state_dtype')} | {ready} | {note} |")
-    pools = ", ".join(f"{n} = tokens {lo}-{hi - 1} at {rates.get(n)}" for n, (lo, hi) in phases[0].get("pools", {}).items())
+            md.append(
+                f"| {p} | {name} | {engine(name, v)} | {draft_size(v)} | {v.get('state_dtype')} | {ready} | {note} |"
+            )
+    pools = ", ".join(
+        f"{n} = tokens {lo}-{hi - 1} at {rates.get(n)}" for n, (lo, hi) in phases[0].get("pools", {}).items()
+    )
     md += ["", f"Token pools (chosen MTP acceptance): {pools}.", ""]
     md += ["Formula: " + " ".join(phases[0].get("formula", "").split()), ""]
     head = (
         "| rate | N | phase | variant | draft | per-request tok/s, median (min-max) | each repeat | decode tok/s | "
-        "all N active | acceptance (engine) | expected | per position | / exllamav3 same draft | / no MTP | LoRA / base |"
+        "all N active | acceptance (engine) | expected | per position | / exllamav3 same draft | / no MTP | "
+        "LoRA / base |"
     )
     md += [head, "|" + "---|" * 15]
     for r in sorted(rows, key=lambda r: (str(r["rate"]), r["concurrency"], r["phase"], r["engine"], r["draft"])):
@@ -187,8 +194,15 @@ def markdown(phases: list[dict], rows: list[dict], rates: dict, title: str) -> l
         if r["engine"] == "aphrodite" and r["draft"] and r["concurrency"] in GOALS and r["over_exllamav3"]:
             goal = GOALS[r["concurrency"]]
             x3 = next(
-                (x for x in rows if x["engine"] == "exllamav3" and x["draft"] == r["draft"] and x["phase"] == r["phase"]
-                 and x["pool"] == r["pool"] and x["concurrency"] == r["concurrency"]),
+                (
+                    x
+                    for x in rows
+                    if x["engine"] == "exllamav3"
+                    and x["draft"] == r["draft"]
+                    and x["phase"] == r["phase"]
+                    and x["pool"] == r["pool"]
+                    and x["concurrency"] == r["concurrency"]
+                ),
                 None,
             )
             gain = f"; MTP gain {r['over_no_mtp']} against exllamav3's {x3['over_no_mtp']}" if x3 else ""
@@ -200,11 +214,17 @@ def markdown(phases: list[dict], rows: list[dict], rates: dict, title: str) -> l
     if refused:
         md += ["", "Refused levels (left out of every figure above):", ""]
         for r in refused:
-            md.append(f"- {r['variant']} {r.get('pool')} N = {r['concurrency']} repeat {r['repeat']}: {'; '.join(r['refused'])}")
+            md.append(
+                f"- {r['variant']} {r.get('pool')} N = {r['concurrency']} repeat {r['repeat']}: "
+                + "; ".join(r["refused"])
+            )
     for p, run in enumerate(phases, 1):
         if run.get("stopped"):
             cut = run["stopped"]
-            md.append(f"- Phase {p} reached its deadline before repeat {cut['repeat']} ({cut.get('pool')}, N = {cut['concurrency']}).")
+            md.append(
+                f"- Phase {p} reached its deadline before repeat {cut['repeat']} ({cut.get('pool')}, "
+                f"N = {cut['concurrency']})."
+            )
     return md
 
 
