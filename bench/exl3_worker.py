@@ -115,3 +115,45 @@ class Exl3Worker:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+class DraftAlias:
+    """One more variant of bench/same_run.py through an Exl3Worker's process (``--exllamav3-draft``): started, paused
+    and stopped with it; its levels ask for ``draft`` tokens a step."""
+
+    def __init__(self, name: str, worker, draft: int):
+        self.name, self.worker, self.draft = name, worker, draft
+        self.command = [*worker.command, f"(levels drafting {draft})"]
+        self.args = [*worker.args, "--draft", str(draft)]
+        self.log = worker.log
+
+    @property
+    def proc(self):
+        return self.worker.proc
+
+    @property
+    def ready_s(self):
+        return self.worker.ready_s
+
+    started = property(lambda self: self.worker.started)
+
+    def start(self) -> None:  # the worker starts itself
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.worker.wait_ready(timeout)
+
+    def startup_figures(self) -> dict:
+        return self.worker.startup_figures()
+
+    def root_error(self) -> str:
+        return self.worker.root_error()
+
+    def warmup(self) -> dict | None:
+        return self.worker.warmup()
+
+    def level(self, n: int, seed: int, output: int, pool=None) -> dict:
+        return self.worker.level(n, seed, output, pool=pool, draft=self.draft)

@@ -107,48 +107,6 @@ def speculative(args: list[str]) -> bool:
     return "--speculative-config" in args
 
 
-class DraftAlias:
-    """One more variant through an exllamav3 worker's process (same_run.py ``--exllamav3-draft``): started, paused
-    and stopped with it; its levels ask for ``draft`` tokens a step."""
-
-    def __init__(self, name: str, worker, draft: int):
-        self.name, self.worker, self.draft = name, worker, draft
-        self.command = [*worker.command, f"(levels drafting {draft})"]
-        self.args = [*worker.args, "--draft", str(draft)]
-        self.log = worker.log
-
-    @property
-    def proc(self):
-        return self.worker.proc
-
-    @property
-    def ready_s(self):
-        return self.worker.ready_s
-
-    started = property(lambda self: self.worker.started)
-
-    def start(self) -> None:  # the worker starts itself
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def wait_ready(self, timeout: float) -> bool:
-        return self.worker.wait_ready(timeout)
-
-    def startup_figures(self) -> dict:
-        return self.worker.startup_figures()
-
-    def root_error(self) -> str:
-        return self.worker.root_error()
-
-    def warmup(self) -> dict | None:
-        return self.worker.warmup()
-
-    def level(self, n: int, seed: int, output: int, pool=None) -> dict:
-        return self.worker.level(n, seed, output, pool=pool, draft=self.draft)
-
-
 def state_dtype(args: list[str], config: dict, exllamav3: bool) -> str:
     """The GDN recurrent state's dtype a variant serves: exllamav3's ``--state-dtype`` (its default float16);
     aphrodite's ``--mamba-ssm-cache-dtype``, else the config's ``mamba_ssm_dtype``, else the model's dtype
@@ -356,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     def levels_of(name: str) -> list[int]:
         return own.get(name, levels)
 
-    from exl3_worker import Exl3Worker
+    from exl3_worker import DraftAlias, Exl3Worker
 
     from server import Server
 
