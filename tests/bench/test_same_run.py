@@ -138,12 +138,14 @@ def test_a_variant_ready_after_the_first_is_waited_for_until_the_common_start_de
     model, _, tmp = engines
     out = tmp / "slow.json"
     argv = [str(model), "--out", str(out), "--variant", "a=", "--variant", "b="]
-    argv += ["--variant-env", "a=FAKE_START_S=6", "--variant-env", "b=FAKE_START_S=10"]
+    # b starts later than the timeout less a's start (the old wait gave it 24 - 10 s), with 8 s and more to spare
+    # for each on a loaded machine (make test runs the lanes side by side)
+    argv += ["--variant-env", "a=FAKE_START_S=10", "--variant-env", "b=FAKE_START_S=16"]
     argv += ["--concurrency", "1", "--repeats", "1", "--prompt", "8", "--output", "6", "--port", str(free_port())]
-    assert same_run.main([*argv, "--start-timeout", "14"]) == 0
+    assert same_run.main([*argv, "--start-timeout", "24"]) == 0
     v = json.loads(out.read_text())["variants"]
     assert v["a"]["started"] and v["b"]["started"], v
-    assert v["b"]["ready_s"] >= 10 and [r["variant"] for r in json.loads(out.read_text())["runs"]] == ["a", "b"]
+    assert v["b"]["ready_s"] >= 16 and [r["variant"] for r in json.loads(out.read_text())["runs"]] == ["a", "b"]
 
 
 @pytest.mark.parametrize(
