@@ -124,8 +124,7 @@ class DraftAlias:
     def __init__(self, name: str, worker, draft: int):
         self.name, self.worker, self.draft = name, worker, draft
         self.command = [*worker.command, f"(levels drafting {draft})"]
-        self.args = [*worker.args, "--draft", str(draft)]
-        self.log = worker.log
+        self.args, self.log = worker.args, worker.log
 
     @property
     def proc(self):
@@ -135,7 +134,9 @@ class DraftAlias:
     def ready_s(self):
         return self.worker.ready_s
 
-    started = property(lambda self: self.worker.started)
+    @property
+    def started(self):
+        return self.worker.started
 
     def start(self) -> None:  # the worker starts itself
         pass

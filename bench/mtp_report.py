@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from report import write_csv, write_table  # noqa: E402
+from compare_report import is_exllamav3  # noqa: E402
+from report import spread, write_csv, write_table  # noqa: E402
 
 # the goals the page reports (asserted by no test): aphrodite over exllamav3 per request at the same draft size
 GOALS = {1: 1.10, 8: 1.5}
@@ -43,10 +44,6 @@ def draft_size(variant: dict) -> int:
     if "--speculative-config" in command[:-1]:
         return int(json.loads(command[command.index("--speculative-config") + 1])["num_speculative_tokens"])
     return 0
-
-
-def is_exllamav3(variant: dict) -> bool:
-    return "exllamav3_generator.py" in " ".join(variant.get("command", []))
 
 
 def engine(name: str, variant: dict) -> str:
@@ -142,12 +139,6 @@ def table(phases: list[dict], rates: dict) -> list[dict]:
     return out
 
 
-def spread(median, lo, hi) -> str:
-    if median is None:
-        return "-"
-    return f"{median} ({lo}-{hi})" if lo is not None and lo != hi else f"{median}"
-
-
 def markdown(phases: list[dict], rows: list[dict], rates: dict, title: str) -> list[str]:
     md = [f"# {title}", ""]
     md += ["| phase | variant | engine | draft | state | ready (s) | note |", "|---|---|---|---|---|---|---|"]
@@ -176,15 +167,15 @@ def markdown(phases: list[dict], rows: list[dict], rates: dict, title: str) -> l
             r["phase"],
             r["variant"],
             r["draft"],
-            spread(r["per_request"], r["per_request_min"], r["per_request_max"]),
+            spread({"median": r["per_request"], "min": r["per_request_min"], "max": r["per_request_max"]}),
             r["each_repeat"],
             r["decode"] if r["decode"] is not None else "-",
             f"{r['active_min']}/{r['concurrency']}",
             r["acceptance"] if r["acceptance"] is not None else "-",
             r["acceptance_expected"] if r["acceptance_expected"] is not None else "-",
             r["per_position"] or "-",
-            spread(r["over_exllamav3"], r["over_exllamav3_min"], r["over_exllamav3_max"]),
-            spread(r["over_no_mtp"], r["over_no_mtp_min"], r["over_no_mtp_max"]),
+            spread({"median": r["over_exllamav3"], "min": r["over_exllamav3_min"], "max": r["over_exllamav3_max"]}),
+            spread({"median": r["over_no_mtp"], "min": r["over_no_mtp_min"], "max": r["over_no_mtp_max"]}),
             r["lora_over_base"] if r["lora_over_base"] is not None else "-",
         ]
         md.append("| " + " | ".join(str(c) for c in cells) + " |")

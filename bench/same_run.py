@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if own:
         out["variant_levels"] = {n: levels_of(n) for n in servers}
     stopped: set[str] = set()  # variants whose process tree is SIGSTOPped now
-    preempted: dict[str, tuple[float | None, dict]] = {}  # variant -> (its counter before its last level, that row)
+    counted: dict[str, tuple] = {}  # variant -> (its counters before its last level, that row)
 
     def save() -> None:
         out["summary"] = {
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             now = (level_checks.preemptions(text), level_checks.spec_counters(text))
         except httpx.HTTPError:
             now = (None, {})
-        before, last = preempted.get(name, (None, None))
+        before, last = counted.get(name, (None, None))
         if last is not None and before is not None:
             if now[0] is not None and before[0] is not None:
                 last["preemptions"] = now[0] - before[0]
@@ -461,10 +461,10 @@ def main(argv: list[str] | None = None) -> int:
                 out["variants"][name]["error"] = server.root_error()[:800] or "did not start"
         live = [n for n in servers if out["variants"][n]["started"]]
         save()
+        first_pool = pool_list[0][1]  # the warm-ups' prompts: one pool is every shape's
         for name in live:  # every measured shape once, unmeasured, with the measured lengths
             focus(name, live)
             v = out["variants"][name]
-            first_pool = pool_list[0][1]
             if is_x3[name]:
                 v["warmup"] = servers[name].warmup()
             else:
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed = level_seed(n, rep) + 100_000 * p
                         row = {"variant": name, "repeat": rep, **({"pool": pool} if pool else {})}
                         row.update(measure(name, n, seed, span), paused=paused)
-                        preempted[name] = (before, row)
+                        counted[name] = (before, row)
                         out["runs"].append(row)
                         save()
                         print(json.dumps(row), flush=True)
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped.clear()
         if measured_from is not None:
             time.sleep(2)  # the counters lag the last response by a moment
-            for name in preempted:
+            for name in counted:
                 read_counters(name)
             logs = {n: s.log.read_text(errors="replace") for n, s in servers.items() if not is_x3[n] and s.log.exists()}
             files = level_checks.new_files(args.watch_dir, measured_from)
