@@ -10,6 +10,8 @@
 #   p12                    tests/gpu/test_p12_mid_batch.py (P12's routed layers against aphrodite's path, 0.24+)
 #   p13                    tests/gpu/test_p13_moe_expert_lora.py (P13's decomposed EXL3 experts against dense weights and
 #                          the fused kernel, eager and from a CUDA graph, 0.21+)
+#   dropin:PATH            one drop-in regression test (PATH under tests/upstream/) on the release as it is, then
+#                          with the overlay: it must fail raw and pass with the overlay (dropin/{raw,overlay}.log)
 #   fulldepth:PRESETS      ci/stages/fulldepth.sh, HXF_PRESETS=PRESETS (comma list, NAME or NAME:CODEBOOK) and its
 #                          HXF_FD_* settings (kinds, levels, parallel start): full-depth serving beside exllamav3
 #   cal:NAMES              make-tiny's calibration checkpoints, then bench/memory_calibration.py --only NAMES
@@ -274,6 +276,11 @@ for stage in "$@"; do
         HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
           tests/upstream/tests/kernels/moe/test_exl3_moe_small_batch.py > "$ROOT/moe-kernels/upstream-$mode.log" 2>&1
         echo "moe-kernels: drop-in $mode: rc $? ($(tail -1 "$ROOT/moe-kernels/upstream-$mode.log"))"
+      done ;;
+    dropin) for mode in raw overlay; do  # a drop-in: fails on the release as it is, passes with the overlay
+        HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+          "tests/upstream/$arg" > "$ROOT/dropin/$mode.log" 2>&1
+        echo "dropin $arg: $mode: rc $? ($(tail -1 "$ROOT/dropin/$mode.log"))"
       done ;;
     lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;

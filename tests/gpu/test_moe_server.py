@@ -30,16 +30,19 @@ from pathlib import Path
 
 import pytest
 from test_server import (
+    ENGINE_DEFAULTS,
     TOLERANCE,
     alone_and_mixed,
     check,
     client,
     complete,
+    gather_completions,
     lora_args,
     prompts,
     ready,
     shared_args,
     start_fleet,
+    worst,
 )
 
 from harness import Reference
@@ -95,6 +98,16 @@ CELLS = {
     "moe-eager-bf16-lora-experts3d-p13": (True, EXPERTS_3D, ["--enforce-eager"], {P13_ON: "1"}, "serve"),
     "moe-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [], {P13_ON: "1"}, "serve"),
     "moe35-compiled-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [*MOE35_SEQS], {P13_ON: "1"}, "serve"),
+    # the user's configuration: default compiled mode and the engine's default backends (FlashInfer's GDN prefill,
+    # the vision tower loaded: no --gdn-prefill-backend triton, no --language-model-only), both adapter forms
+    "moe-compiled-defaults-bf16-lora-experts3d-p13": (True, EXPERTS_3D, [ENGINE_DEFAULTS], {P13_ON: "1"}, "serve"),
+    "moe35-compiled-defaults-bf16-lora-experts3d-p13": (
+        True,
+        EXPERTS_3D,
+        [ENGINE_DEFAULTS, *MOE35_SEQS],
+        {P13_ON: "1"},
+        "serve",
+    ),
     # the control for the P13 cells: the same adapters on the dense twin, unquantized, through aphrodite's own
     # TritonExperts and MoE-LoRA kernels against the same HF + PEFT reference; where the P13 cells and this one
     # differ from the reference alike, the difference is not P13's (docs/drafts/p13-moe-expert-lora.md, run 30)
@@ -116,7 +129,14 @@ CELLS = {
                 ["--enforce-eager", "--enable-mixed-moe-lora-format"],
                 {P13_ON: "1"},
                 "serve",
-            )
+            ),
+            "moe-compiled-defaults-bf16-lora-experts-mixed-p13": (
+                True,
+                ("lora-a", "lora-experts"),
+                [ENGINE_DEFAULTS, "--enable-mixed-moe-lora-format"],
+                {P13_ON: "1"},
+                "serve",
+            ),
         }
         if aphrodite_minor() >= (0, 24)
         else {}
@@ -205,7 +225,8 @@ def server_args(cell: str, folder: Path) -> tuple[str, list[str], dict]:
     """A ``*-dense-*`` cell serves the checkpoint's dense twin (the EXL3 weights decoded, the HF reference's own
     model) unquantized, through aphrodite's own MoE kernels; the others serve the EXL3 checkpoint."""
     lora, adapters, extra, env, _ = CELLS[cell]
-    args = shared_args(SERVED) + (lora_args(folder, adapters) if lora else [])
+    args = shared_args(SERVED, ENGINE_DEFAULTS not in extra) + (lora_args(folder, adapters) if lora else [])
+    extra = [a for a in extra if a != ENGINE_DEFAULTS]
     return str(folder / ("dense" if "-dense-" in cell else "exl3")), args + extra, env
 
 
@@ -299,6 +320,7 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
     assert models == {SERVED, *adapters}, models
     if lora:
         info["lora_layers_left_unwrapped"] = server.text().count("could not be wrapped by any LoRA layer")
+    kept: dict = {}  # the 16 mixed answers, for expert_adapter_steps' dump
     try:
         failed = alone_and_mixed(
             server,
@@ -307,6 +329,7 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
             SERVED,
             info,
             lambda: record(f"moe {cell}", **info),
+            kept,
         )
     except Exception as exc:  # openai.APITimeoutError where a request never answers
         if expect != "stall" or "Timeout" not in type(exc).__name__:
@@ -316,6 +339,11 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
         server.stop()
         pytest.xfail(f"{cell}: a request never answered without P6 ({type(exc).__name__})")
     assert not failed, failed[:3]
+    expert_adapter = next((a for a in adapters if a.startswith("lora-experts")), None)
+    if expert_adapter:  # before any assert: what tells a wrong batch from a wrong adapter
+        models = [None, *adapters]
+        expert_adapter_steps(server, references(checkpoint_of(cell)), models, expert_adapter, cell, info, kept)
+        record(f"moe {cell}", **info)
     # how hard the 16 at once press one expert: above the fused kernel's 128 in a captured batch is P7's case
     info["16 mixed"]["hf_max_tokens_per_expert"] = references(checkpoint_of(cell)).max_tokens_per_expert(prompts(16, 2))
     # no closer than HF's own bfloat16 run can be (SPREAD_FACTOR of it), and never looser than TOLERANCE
@@ -330,7 +358,6 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
     assert info["max_abs_dlogprob"] < info["tolerance"], info
     if lora:
         assert info["lora-a vs base reference"] > 3 * info["tolerance"], "the adapter made no difference"
-    expert_adapter = next((a for a in adapters if a.startswith("lora-experts")), None)
     if expert_adapter:  # its expert deltas applied, not dropped: far from a reference without them
         reference = references(checkpoint_of(cell))
         served = complete(server, expert_adapter, prompts(1, 1)[0])
@@ -344,6 +371,47 @@ def test_moe_cell(cell, moe_fleet, moe_models, references, record):
         assert info[EXPERTS_OFF] > 3 * info["tolerance"], info
     if cell != MAIN:
         server.stop()
+
+
+def expert_adapter_steps(
+    server, reference, models: list, expert_adapter: str, cell: str, info: dict, kept: dict
+) -> None:
+    """Beside ``alone_and_mixed``'s steps, the ones that tell which property of a batch an error follows: the same
+    16 requests as its mixed step one at a time ("16 mixed, one at a time": the adapters mixed across steps, never
+    within one), and the expert adapter on all 16 prompts at once ("expert adapter, 16 at once": requests at once,
+    one adapter). Each step's worst per model goes into ``info``; every served answer, with the model and the
+    step, into ``served-CELL.json`` beside the results (``HXF_GPU_RESULTS``), for reading offline."""
+    import asyncio
+    import json
+
+    mix = [models[i % len(models)] for i in range(16)]
+    jobs = [(a or SERVED, ids) for a, ids in zip(mix, prompts(16, 2))]
+    served = {
+        "16 mixed, one at a time": (mix, [complete(server, model, ids) for model, ids in jobs]),
+        "expert adapter, 16 at once": (
+            [expert_adapter] * 16,
+            asyncio.run(gather_completions(server, [(expert_adapter, ids) for ids in prompts(16, 2)], 8, True)),
+        ),
+    }
+    dump = {}
+    if "16 mixed" in kept:  # alone_and_mixed's step, dumped beside these two
+        dump["16 mixed"] = [
+            {"model": a or "base", **r} if not isinstance(r, Exception) else {"model": a or "base", "error": repr(r)}
+            for a, r in kept["16 mixed"]
+        ]
+    for step, (names, answers) in served.items():
+        rows = [(a, check(reference, a, r)) for a, r in zip(names, answers) if not isinstance(r, Exception)]
+        by_model = {}
+        for a, row in rows:
+            by_model[a or "base"] = round(max(by_model.get(a or "base", 0.0), row["max_abs_dlogprob"]), 4)
+        info[step] = {**worst([r for _, r in rows]), "by model": by_model, "failed": len(names) - len(rows)}
+        dump[step] = [
+            {"model": a or "base", **r} if not isinstance(r, Exception) else {"model": a or "base", "error": repr(r)}
+            for a, r in zip(names, answers)
+        ]
+    results = os.environ.get("HXF_GPU_RESULTS")
+    if results:
+        (Path(results).parent / f"served-{cell}.json").write_text(json.dumps(dump))
 
 
 def test_moe_expert_adapter_refused_at_runtime_and_the_server_serves_on(moe_fleet, moe, moe_reference, record):

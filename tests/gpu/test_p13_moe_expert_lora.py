@@ -163,11 +163,14 @@ def test_the_token_loop_replays_from_a_cuda_graph(layer, record):
 # -- the whole of Exl3LoRAExperts.apply, LoRA deltas included, against aphrodite's own TritonExperts ---------------
 
 
-def lora_context(experts: int, hidden: int, inter: int, top_k: int, slices: int, token_ids, rank: int = 8):
+def lora_context(
+    experts: int, hidden: int, inter: int, top_k: int, slices: int, token_ids, rank: int = 8, both: bool = False
+):
     """A real ``MoELoRAContext`` for two adapter slots over a real ``PunicaWrapperGPU`` whose token mapping is
     ``token_ids`` (0: no adapter; 1 and 2: slots 0 and 1). Slot 0 carries random expert weights, slot 1 zeros (an
-    adapter without expert weights, like lora-a). ``slices``: 2 = the per-expert form (gate and up apart,
-    ``FusedMoEWithLoRA``), 1 = PEFT's fused form (``FusedMoE3DWithLoRA``: one w13 slice of 2I rows)."""
+    adapter without expert weights, like lora-a) or, with ``both``, weights of its own. ``slices``: 2 = the
+    per-expert form (gate and up apart, ``FusedMoEWithLoRA``), 1 = PEFT's fused form (``FusedMoE3DWithLoRA``: one
+    w13 slice of 2I rows)."""
     import dataclasses
     import inspect
 
@@ -185,7 +188,7 @@ def lora_context(experts: int, hidden: int, inter: int, top_k: int, slices: int,
     w13_a = tuple(rand(2, experts, rank, hidden, scale=0.02) for _ in range(slices))
     w13_b = tuple(rand(2, experts, w13_rows, rank, scale=0.5 / rank**0.5) for _ in range(slices))
     w2_a, w2_b = (rand(2, experts, rank, inter, scale=0.05),), (rand(2, experts, hidden, rank, scale=0.5 / rank**0.5),)
-    for t in (*w13_a, *w13_b, *w2_a, *w2_b):
+    for t in (*w13_a, *w13_b, *w2_a, *w2_b) if not both else ():
         t[1].zero_()  # slot 1: an adapter without expert weights
     config = LoRAConfig(max_lora_rank=rank, max_loras=2, lora_dtype=torch.bfloat16)
     punica = PunicaWrapperGPU(512, 16, "cuda", lora_config=config)
@@ -218,6 +221,99 @@ def run_experts(experts, x, w1, w2, weights, ids):
         workspace2, None, False,
     )  # fmt: skip
     return output.float().clone()
+
+
+def token_slots(mapping: list[int]) -> list[int]:
+    """The adapter slot of each token of a ``lora_context`` mapping (0: none -> -1, 1 -> slot 0, 2 -> slot 1)."""
+    return [i - 1 for i in mapping]
+
+
+def lora_reference(dense, x, ids, weights, ctx, slots: list[int]):
+    """The exact answer of the experts with LoRA, in float32 from the dense weights and the context's stacked LoRA
+    factors: per (token, expert) assignment gate/up plus B A x (one 2I slice, or gate and up apart), SiLU-and-mul,
+    down plus its B A, weighted by the router; a token of slot -1 takes no delta."""
+    out = torch.zeros(x.shape[0], x.shape[1], device="cuda")
+    a13 = [a.float() for a in ctx.w13_lora_a_stacked]
+    b13 = [b.float() for b in ctx.w13_lora_b_stacked]
+    a2, b2 = ctx.w2_lora_a_stacked[0].float(), ctx.w2_lora_b_stacked[0].float()
+    xf = x.float()
+    for t, slot in enumerate(slots):
+        for j, e in enumerate(ids[t].tolist()):
+            gate, up, down = dense[e]
+            g, u = xf[t] @ gate, xf[t] @ up
+            if slot >= 0:
+                deltas = [b[slot, e] @ (a[slot, e] @ xf[t]) for a, b in zip(a13, b13)]
+                gu = torch.cat(deltas) if len(deltas) == 2 else deltas[0]
+                g, u = g + gu[: g.shape[0]], u + gu[g.shape[0] :]
+            act = torch.nn.functional.silu(g) * u
+            y = act @ down
+            if slot >= 0:
+                y = y + b2[slot, e] @ (a2[slot, e] @ act)
+            out[t] += weights[t, j].float() * y
+    return out
+
+
+# token -> adapter patterns: tokens of the three kinds interleaved, or in runs as a server's batch holds requests
+# (each request's tokens together); "both-runs": both slots carry expert weights
+MAPPINGS = {
+    "interleaved": lambda m: [t % 3 for t in range(m)],
+    "runs": lambda m: [(0, 1, 2, 1, 0, 2)[min(5, 6 * t // m)] for t in range(m)],
+    "both-runs": lambda m: [(1, 2, 0, 2, 1, 0)[min(5, 6 * t // m)] for t in range(m)],
+}
+
+
+@pytest.mark.parametrize("mapping", list(MAPPINGS))
+@pytest.mark.parametrize("slices", [1, 2], ids=["fused-form", "per-expert-form"])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 65, 240])
+def test_the_exl3_lora_experts_and_aphrodites_triton_experts_against_exact_lora(layer, slices, m, mapping, record):
+    """The whole ``apply`` with LoRA, adapters mixed as ``mapping`` lays them out, against the exact float32 answer
+    (``lora_reference``) and P13's experts against aphrodite's ``TritonExperts`` on the same weights and the same
+    ``MoELoRAContext``: the token loop (up to 64 tokens) and the per-expert path (65 and more). Every number is
+    recorded before the asserts; where aphrodite's own path is off the exact answer too, the fault is not P13's."""
+    from aphrodite.model_executor.layers.fused_moe import TritonExperts
+    from aphrodite.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    from helpers import fused_moe_config
+
+    name, moe, dense = layer
+    exl3 = importlib.import_module(EXL3)
+    hidden, inter, e, k = moe.hidden_size, moe.exl3_intermediate_size_per_partition, moe.local_num_experts, moe.top_k
+    cfg = fused_moe_config(hidden, inter, e, k, device="cuda")
+    w1 = torch.stack([torch.cat([g.T, u.T]) for g, u, _ in dense]).to(torch.bfloat16).contiguous()
+    w2 = torch.stack([d.T for _, _, d in dense]).to(torch.bfloat16).contiguous()
+    x, ids, weights = routed(m, hidden, e, k, seed=300 + m)
+    x, ids, weights = x.to(torch.bfloat16), ids.to(torch.int32), weights.float()
+    tokens = MAPPINGS[mapping](m)
+    ctx = lora_context(e, hidden, inter, k, slices, tokens, both=mapping.startswith("both"))
+    ours = moe_lora.experts_class()(exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod), moe, cfg,
+                                    FUSED_MOE_UNQUANTIZED_CONFIG)  # fmt: skip
+    theirs = TritonExperts(cfg, FUSED_MOE_UNQUANTIZED_CONFIG)
+    for experts in (ours, theirs):
+        experts.set_lora_context(ctx)
+    shape1, shape2 = moe_lora.shape_tensors(moe, torch.bfloat16)
+    row = {}
+    try:
+        triton_out = run_experts(theirs, x, w1, w2, weights, ids)
+        ours_out = run_experts(ours, x, shape1, shape2, weights, ids)
+        exact = lora_reference(dense, x, ids, weights, ctx, token_slots(tokens))
+        base = dense_reference(dense, x, ids, weights)
+        adapted = torch.tensor([t > 0 for t in tokens], device="cuda")
+        row = {
+            "p13 against exact": round(error(ours_out, exact), 5),
+            "triton against exact": round(error(triton_out, exact), 5),
+            "p13 against triton": round(error(ours_out, triton_out), 5),
+        }
+        if adapted.any():
+            row["p13 against exact, adapter tokens"] = round(error(ours_out[adapted], exact[adapted]), 5)
+            row["triton against exact, adapter tokens"] = round(error(triton_out[adapted], exact[adapted]), 5)
+            row["lora's effect"] = round(error(base, exact), 5)
+    except Exception as exc:  # noqa: BLE001 - recorded, then raised
+        row = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        raise
+    finally:
+        record(f"P13 LoRA experts against exact LoRA, {name}, {m} tokens, {slices} slice(s), {mapping}", **row)
+    assert row.get("lora's effect", 1.0) > 5 * TOLERANCE, row  # the deltas matter (a batch of no adapter: none)
+    assert row["p13 against exact"] < TOLERANCE, row
 
 
 @pytest.mark.parametrize("slices", [1, 2], ids=["fused-form", "per-expert-form"])

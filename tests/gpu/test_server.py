@@ -319,11 +319,14 @@ def chat(server: Server, adapter: str | None, messages: list[dict], max_tokens: 
     return resp if stream else resp.model_dump()
 
 
-def alone_and_mixed(server: Server, reference, adapters: list, served: str, info: dict, save) -> list[str]:
+def alone_and_mixed(
+    server: Server, reference, adapters: list, served: str, info: dict, save, keep: dict | None = None
+) -> list[str]:
     """Each model (None: the base) alone on three prompts, then 16 requests mixing them at once, against
     ``reference``; fills ``info`` (``save()`` after each step, so a failure later keeps what was measured)
     with the worst |delta| per step, the overall max, and how far the first adapter is from the base
-    model's reference. Returns the requests that failed."""
+    model's reference. Returns the requests that failed; ``keep`` (a dict) receives the 16 mixed answers as
+    (model, answer) pairs under "16 mixed"."""
     name = {None: served}
     rows, answers = {}, {}
     for adapter in adapters:
@@ -335,10 +338,16 @@ def alone_and_mixed(server: Server, reference, adapters: list, served: str, info
     jobs = [(name.get(a, a), ids) for a, ids in zip(mix, prompts(16, 2))]
     results = asyncio.run(gather_completions(server, jobs, 8, True))
     failed = [repr(r) for r in results if isinstance(r, Exception)]
+    if keep is not None:
+        keep["16 mixed"] = list(zip(mix, results))
     mixed = [check(reference, a, r) for a, r in zip(mix, results) if not isinstance(r, Exception)]
     info["16 mixed"] = (
         {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
     )
+    by_adapter = {}  # each model's worst among the 16, so that a wrong one is named
+    for a, row in zip([a for a, r in zip(mix, results) if not isinstance(r, Exception)], mixed):
+        by_adapter[a or "base"] = round(max(by_adapter.get(a or "base", 0.0), row["max_abs_dlogprob"]), 4)
+    info["16 mixed"]["by model"] = by_adapter
     info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
     info["tolerance"] = TOLERANCE
     first = next((a for a in adapters if a is not None), None)
