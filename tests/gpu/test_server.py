@@ -267,6 +267,8 @@ def check(reference: Reference, adapter: str | None, served: dict) -> dict:
 def worst(rows: list[dict]) -> dict:
     return {
         "max_abs_dlogprob": round(max(r["max_abs_dlogprob"] for r in rows), 4),
+        "prompt_max": round(max(r.get("prompt_max", 0.0) for r in rows), 4),
+        "generated_max": round(max(r.get("generated_max", 0.0) for r in rows), 4),
         "requests": len(rows),
         "prompt_positions": sum(r["prompt_positions"] for r in rows),
         "generated_positions": sum(r["generated_positions"] for r in rows),
