@@ -259,6 +259,7 @@ MAPPINGS = {
     "interleaved": lambda m: [t % 3 for t in range(m)],
     "runs": lambda m: [(0, 1, 2, 1, 0, 2)[min(5, 6 * t // m)] for t in range(m)],
     "both-runs": lambda m: [(1, 2, 0, 2, 1, 0)[min(5, 6 * t // m)] for t in range(m)],
+    "no adapter": lambda m: [0] * m,  # a batch without LoRA: P13's fused path, aphrodite's experts with no delta
 }
 
 
@@ -314,54 +315,3 @@ def test_the_exl3_lora_experts_and_aphrodites_triton_experts_against_exact_lora(
         record(f"P13 LoRA experts against exact LoRA, {name}, {m} tokens, {slices} slice(s), {mapping}", **row)
     assert row.get("lora's effect", 1.0) > 5 * TOLERANCE, row  # the deltas matter (a batch of no adapter: none)
     assert row["p13 against exact"] < TOLERANCE, row
-
-
-@pytest.mark.parametrize("slices", [1, 2], ids=["fused-form", "per-expert-form"])
-@pytest.mark.parametrize("m", [3, 16, 100])
-def test_the_exl3_lora_experts_answer_like_aphrodites_triton_experts(layer, slices, m, record):
-    """Mixed tokens (no adapter, an expert adapter, an adapter without expert weights) through ``Exl3LoRAExperts``
-    on the EXL3 layer and through aphrodite's ``TritonExperts`` on the same weights in bfloat16, the same LoRA
-    context for both: the token loop (3, 16 tokens) and the per-expert path (100) against aphrodite's own MoE LoRA
-    path; and the expert adapter's effect is far above the tolerance."""
-    from aphrodite.model_executor.layers.fused_moe import TritonExperts
-    from aphrodite.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-
-    from helpers import fused_moe_config
-
-    name, moe, dense = layer
-    exl3 = importlib.import_module(EXL3)
-    hidden, inter, e, k = moe.hidden_size, moe.exl3_intermediate_size_per_partition, moe.local_num_experts, moe.top_k
-    cfg = fused_moe_config(hidden, inter, e, k, device="cuda")
-    w1 = torch.stack([torch.cat([g.T, u.T]) for g, u, _ in dense]).to(torch.bfloat16).contiguous()
-    w2 = torch.stack([d.T for _, _, d in dense]).to(torch.bfloat16).contiguous()
-    x, ids, weights = routed(m, hidden, e, k, seed=200 + m)
-    x, ids, weights = x.to(torch.bfloat16), ids.to(torch.int32), weights.float()
-    token_ids = [t % 3 for t in range(m)]  # 0: no adapter, 1: slot 0 (expert weights), 2: slot 1 (none)
-    results = {}
-    for label, mapping in (("mixed", token_ids), ("no adapter", [0] * m)):
-        ctx = lora_context(e, hidden, inter, k, slices, mapping)
-        ours = moe_lora.experts_class()(exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod), moe, cfg,
-                                        FUSED_MOE_UNQUANTIZED_CONFIG)  # fmt: skip
-        theirs = TritonExperts(cfg, FUSED_MOE_UNQUANTIZED_CONFIG)
-        shape1, shape2 = moe_lora.shape_tensors(moe, torch.bfloat16)
-        for experts in (ours, theirs):
-            experts.set_lora_context(ctx)
-        # aphrodite's own experts first, so a fault there is not one P13's call could have caused; base tokens
-        # beside both slots of max_loras 2 are the batch 0.20 - 0.21's align kernel mishandles without P14
-        # (docs/upstream/moe-lora-align-grid.md)
-        reference = run_experts(theirs, x, w1, w2, weights, ids)
-        results[label] = (run_experts(ours, x, shape1, shape2, weights, ids), reference)
-    (ours, theirs), (ours_base, theirs_base) = results["mixed"], results["no adapter"]
-    rows = torch.arange(m, device="cuda")
-    adapted = rows % 3 == 1
-    effect = error(theirs[adapted], theirs_base[adapted])
-    row = {
-        "against triton, mixed": round(error(ours, theirs), 5),
-        "against triton, no adapter": round(error(ours_base, theirs_base), 5),
-        "against triton, expert-adapter tokens": round(error(ours[adapted], theirs[adapted]), 5),
-        "against triton, other tokens": round(error(ours[~adapted], theirs[~adapted]), 5),
-        "expert adapter's effect": round(effect, 5),
-    }
-    record(f"P13 LoRA experts against TritonExperts, {name}, {m} tokens, {slices} w13 slice(s)", **row)
-    assert effect > 5 * TOLERANCE, row  # the deltas matter
-    assert max(v for key, v in row.items() if key.startswith("against")) < TOLERANCE, row
