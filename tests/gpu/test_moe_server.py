@@ -20,7 +20,10 @@ layer dimensions (make-tiny ``qwen3.6-35b-a3b``: 4 layers, 32 of its 256 experts
 PEFT on its own dense twin. The runtime-adapter test uses the eager LoRA server.
 Shared deviations from the defaults as in test_server.py (--gpu-memory-utilization 0.03 with a
 pinned 2 GiB KV cache so the servers can start at once, --gdn-prefill-backend triton,
---language-model-only).
+--language-model-only); the ``*-defaults-*`` cells leave out the last two (the engine's default backends, the
+vision tower loaded), as users start it. The expert-adapter cells also serve the 16 mixed requests one at a time
+and the expert adapter 16 at once, each step's worst per model recorded and every answer dumped
+(``expert_adapter_steps``).
 """
 
 from __future__ import annotations
