@@ -380,9 +380,9 @@ def expert_adapter_steps(
     server, reference, models: list, expert_adapter: str, cell: str, info: dict, kept: dict
 ) -> None:
     """Beside ``alone_and_mixed``'s steps, the ones that tell which property of a batch an error follows: the same
-    16 requests as its mixed step one at a time ("16 mixed, one at a time": the adapters mixed across steps, never
-    within one), and the expert adapter on all 16 prompts at once ("expert adapter, 16 at once": requests at once,
-    one adapter). Each step's worst per model goes into ``info``; every served answer, with the model and the
+    16 requests as its mixed step again at once ("16 mixed, again": a first call's error is gone), one at a time
+    ("16 mixed, one at a time": the adapters mixed across steps, never within one), and the expert adapter on all
+    16 prompts at once ("expert adapter, 16 at once": requests at once, one adapter). Each step's worst per model goes into ``info``; every served answer, with the model and the
     step, into ``served-CELL.json`` beside the results (``HXF_GPU_RESULTS``), for reading offline."""
     import asyncio
     import json
@@ -390,6 +390,8 @@ def expert_adapter_steps(
     mix = [models[i % len(models)] for i in range(16)]
     jobs = [(a or SERVED, ids) for a, ids in zip(mix, prompts(16, 2))]
     served = {
+        # the same batch again: a step right the second time is one that a first call got wrong
+        "16 mixed, again": (mix, asyncio.run(gather_completions(server, jobs, 8, True))),
         "16 mixed, one at a time": (mix, [complete(server, model, ids) for model, ids in jobs]),
         "expert adapter, 16 at once": (
             [expert_adapter] * 16,
