@@ -382,8 +382,9 @@ def expert_adapter_steps(
     """Beside ``alone_and_mixed``'s steps, the ones that tell which property of a batch an error follows: the same
     16 requests as its mixed step again at once ("16 mixed, again": a first call's error is gone), one at a time
     ("16 mixed, one at a time": the adapters mixed across steps, never within one), and the expert adapter on all
-    16 prompts at once ("expert adapter, 16 at once": requests at once, one adapter). Each step's worst per model goes into ``info``; every served answer, with the model and the
-    step, into ``served-CELL.json`` beside the results (``HXF_GPU_RESULTS``), for reading offline."""
+    16 prompts at once ("expert adapter, 16 at once": requests at once, one adapter). Each step's worst per model
+    goes into ``info``; every served answer, with the model and the step, into ``served-CELL.json`` beside the
+    results (``HXF_GPU_RESULTS``), for reading offline."""
     import asyncio
     import json
 
