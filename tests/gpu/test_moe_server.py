@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_server import (
+from serving_checks import (
     ENGINE_DEFAULTS,
     TOLERANCE,
     alone_and_mixed,

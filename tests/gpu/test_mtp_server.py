@@ -31,8 +31,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_moe_server import aphrodite_minor
-from test_server import (
+from serving_checks import (
     TOLERANCE,
     check,
     complete,
@@ -43,6 +42,7 @@ from test_server import (
     start_fleet,
     worst,
 )
+from test_moe_server import aphrodite_minor
 
 from harness import Reference
 
