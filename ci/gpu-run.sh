@@ -11,7 +11,7 @@
 #   p13                    tests/gpu/test_p13_moe_expert_lora.py (P13's decomposed EXL3 experts against dense weights and
 #                          the fused kernel, eager and from a CUDA graph, 0.21+)
 #   dropin:PATH            one drop-in regression test (PATH under tests/upstream/) on the release as it is, then
-#                          with the overlay: it must fail raw and pass with the overlay (dropin/{raw,overlay}.log)
+#                          with the overlay: it must fail raw and pass with the overlay (dropin/upstream-{raw,overlay}.log)
 #   fulldepth:PRESETS      ci/stages/fulldepth.sh, HXF_PRESETS=PRESETS (comma list, NAME or NAME:CODEBOOK) and its
 #                          HXF_FD_* settings (kinds, levels, parallel start): full-depth serving beside exllamav3
 #   cal:NAMES              make-tiny's calibration checkpoints, then bench/memory_calibration.py --only NAMES
@@ -102,6 +102,16 @@ python3 -m hybrid_exl3_fixes.cli status > "$ROOT/status.txt" 2>&1
 suite() {  # NAME TEST [CELLS]
   OUT="$ROOT/$1" HXF_GPU_WORK="/tmp/hxf-gpu-$REL-$1" HXF_SERVER_CELLS="${3:-}" \
     HXF_PORT_OFFSET=$((PORTS + ${4:-0})) HXF_PYTEST_TIMEOUT="${HXF_STAGE_SECONDS:-1500}" bash ci/gpu.sh "$2"
+}
+
+dropin() {  # DIR TEST: a drop-in (TEST under tests/upstream/) on the release as it is, then with the overlay; it must
+  # fail raw and pass with the overlay; DIR/upstream-{raw,overlay}.log
+  local mode
+  for mode in raw overlay; do
+    HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      "tests/upstream/$2" > "$1/upstream-$mode.log" 2>&1
+    echo "drop-in $2: $mode: rc $? ($(tail -1 "$1/upstream-$mode.log"))"
+  done
 }
 
 mk() { bash ci/make-model.sh "$@"; }  # DIR MAKE-TINY-ARGS...: one writer per checkpoint, none when it is written
@@ -272,16 +282,8 @@ for stage in "$@"; do
     kernels) python3 bench/exl3_kernel_choice.py --out "$ROOT/kernels" ;;
     mid-batch) python3 bench/exl3_mid_batch.py --out "$ROOT/mid-batch" ;;
     moe-kernels) python3 bench/exl3_moe_small_batch.py --out "$ROOT/moe-kernels"
-      for mode in raw overlay; do  # P16's drop-in: fails on the release as it is, passes with the overlay
-        HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-          tests/upstream/tests/kernels/moe/test_exl3_moe_small_batch.py > "$ROOT/moe-kernels/upstream-$mode.log" 2>&1
-        echo "moe-kernels: drop-in $mode: rc $? ($(tail -1 "$ROOT/moe-kernels/upstream-$mode.log"))"
-      done ;;
-    dropin) for mode in raw overlay; do  # a drop-in: fails on the release as it is, passes with the overlay
-        HYBRID_EXL3_FIXES_UPSTREAM_MODE=$mode timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-          "tests/upstream/$arg" > "$ROOT/dropin/$mode.log" 2>&1
-        echo "dropin $arg: $mode: rc $? ($(tail -1 "$ROOT/dropin/$mode.log"))"
-      done ;;
+      dropin "$ROOT/moe-kernels" tests/kernels/moe/test_exl3_moe_small_batch.py ;;  # P16's drop-in
+    dropin) dropin "$ROOT/dropin" "$arg" ;;
     lora-tune) python3 bench/lora_tune.py --out "$ROOT/lora-tune" --deadline "${HXF_TUNE_SECONDS:-120}" ;;
     p12) suite p12 tests/gpu/test_p12_mid_batch.py "" 300 ;;
     p13) suite p13 tests/gpu/test_p13_moe_expert_lora.py "" 400 ;;

@@ -29,7 +29,7 @@ GATES_OFF = "lora-ab vs reference without in_proj_a/b"
 
 
 def shared_args(served: str, deviations: bool = True) -> list[str]:
-    """What every suite server is started with (the module docstring says why each differs from the default);
+    """What every suite server is started with (test_server.py's docstring says why each differs from the default);
     ``deviations=False`` leaves out --gdn-prefill-backend triton and --language-model-only."""
     if not deviations:
         return shared_args(served)[:-3]
@@ -127,6 +127,22 @@ def worst(rows: list[dict]) -> dict:
     }
 
 
+def worst_by_model(pairs) -> dict[str, float]:
+    """Each model's worst max |d logprob| among (model or None for the base, ``check`` row) pairs."""
+    out: dict[str, float] = {}
+    for model, row in pairs:
+        out[model or "base"] = round(max(out.get(model or "base", 0.0), row["max_abs_dlogprob"]), 4)
+    return out
+
+
+def answers_dump(pairs) -> list[dict]:
+    """(model or None, served answer or the exception it raised) pairs as JSON-ready rows."""
+    return [
+        {"model": m or "base", **r} if not isinstance(r, Exception) else {"model": m or "base", "error": repr(r)}
+        for m, r in pairs
+    ]
+
+
 async def gather_completions(
     server: Server, jobs: list[tuple[str, list[int]]], max_tokens: int, prompt_logprobs: bool
 ) -> list:
@@ -171,10 +187,10 @@ def alone_and_mixed(
     info["16 mixed"] = (
         {**worst(mixed), "failed": len(failed)} if mixed else {"failed": len(failed), "first": failed[:1]}
     )
-    by_adapter = {}  # each model's worst among the 16, so that a wrong one is named
-    for a, row in zip([a for a, r in zip(mix, results) if not isinstance(r, Exception)], mixed):
-        by_adapter[a or "base"] = round(max(by_adapter.get(a or "base", 0.0), row["max_abs_dlogprob"]), 4)
-    info["16 mixed"]["by model"] = by_adapter
+    # each model's worst among the 16, so that a wrong one is named
+    info["16 mixed"]["by model"] = worst_by_model(
+        zip([a for a, r in zip(mix, results) if not isinstance(r, Exception)], mixed)
+    )
     info["max_abs_dlogprob"] = round(max(r["max_abs_dlogprob"] for r in [*mixed, *sum(rows.values(), [])]), 4)
     info["tolerance"] = TOLERANCE
     first = next((a for a in adapters if a is not None), None)

@@ -36,6 +36,7 @@ from serving_checks import (
     ENGINE_DEFAULTS,
     TOLERANCE,
     alone_and_mixed,
+    answers_dump,
     check,
     client,
     complete,
@@ -46,6 +47,7 @@ from serving_checks import (
     shared_args,
     start_fleet,
     worst,
+    worst_by_model,
 )
 
 from harness import Reference
@@ -399,22 +401,11 @@ def expert_adapter_steps(
             asyncio.run(gather_completions(server, [(expert_adapter, ids) for ids in prompts(16, 2)], 8, True)),
         ),
     }
-    dump = {}
-    if "16 mixed" in kept:  # alone_and_mixed's step, dumped beside these two
-        dump["16 mixed"] = [
-            {"model": a or "base", **r} if not isinstance(r, Exception) else {"model": a or "base", "error": repr(r)}
-            for a, r in kept["16 mixed"]
-        ]
+    dump = {"16 mixed": answers_dump(kept["16 mixed"])} if "16 mixed" in kept else {}  # alone_and_mixed's step
     for step, (names, answers) in served.items():
         rows = [(a, check(reference, a, r)) for a, r in zip(names, answers) if not isinstance(r, Exception)]
-        by_model = {}
-        for a, row in rows:
-            by_model[a or "base"] = round(max(by_model.get(a or "base", 0.0), row["max_abs_dlogprob"]), 4)
-        info[step] = {**worst([r for _, r in rows]), "by model": by_model, "failed": len(names) - len(rows)}
-        dump[step] = [
-            {"model": a or "base", **r} if not isinstance(r, Exception) else {"model": a or "base", "error": repr(r)}
-            for a, r in zip(names, answers)
-        ]
+        info[step] = {**worst([r for _, r in rows]), "by model": worst_by_model(rows), "failed": len(names) - len(rows)}
+        dump[step] = answers_dump(zip(names, answers))
     results = os.environ.get("HXF_GPU_RESULTS")
     if results:
         (Path(results).parent / f"served-{cell}.json").write_text(json.dumps(dump))

@@ -306,8 +306,8 @@ def test_the_exl3_lora_experts_and_aphrodites_triton_experts_against_exact_lora(
     w2 = torch.stack([d.T for _, _, d in dense]).to(torch.bfloat16).contiguous()
     x, ids, weights = routed(m, hidden, e, k, seed=300 + m)
     x, ids, weights = x.to(torch.bfloat16), ids.to(torch.int32), weights.float()
-    tokens = MAPPINGS[mapping](m)
-    ctx = lora_context(e, hidden, inter, k, slices, tokens, both=mapping.startswith("both"))
+    tokens, both = MAPPINGS[mapping](m), mapping.startswith("both")
+    ctx = lora_context(e, hidden, inter, k, slices, tokens, both=both)
     ours = moe_lora.experts_class()(exl3.Exl3MoEMethod.__new__(exl3.Exl3MoEMethod), moe, cfg,
                                     FUSED_MOE_UNQUANTIZED_CONFIG)  # fmt: skip
     theirs = TritonExperts(cfg, FUSED_MOE_UNQUANTIZED_CONFIG)
@@ -327,7 +327,7 @@ def test_the_exl3_lora_experts_and_aphrodites_triton_experts_against_exact_lora(
             "p13 against triton": round(error(ours_out, triton_out), 5),
         }
         # the expert weights' effect, where a token maps to a slot that has them (slot 0; slot 1 with "both")
-        weighted = torch.tensor([t == 1 or (t == 2 and mapping.startswith("both")) for t in tokens], device="cuda")
+        weighted = torch.tensor([t == 1 or (t == 2 and both) for t in tokens], device="cuda")
         if adapted.any():
             row["p13 against exact, adapter tokens"] = round(error(ours_out[adapted], exact[adapted]), 5)
             row["triton against exact, adapter tokens"] = round(error(triton_out[adapted], exact[adapted]), 5)
